@@ -1,0 +1,56 @@
+"""Data layer: tokenizer, built-in tasks, prompt sources, a resumable iterator, math answer
+verification and evaluation metrics.
+
+tensorflow-datasets is imported only when a `TfdsSource` is built.
+"""
+
+from sat_jax.data.evaluation import avg_at_k, evaluate, mean_pass_at_k, pass1, pass_at_k
+from sat_jax.data.iterator import PromptIterator
+from sat_jax.data.math_verify import (
+    extract_answer,
+    math_reward,
+    math_reward_fn,
+    normalize_answer,
+    parse_number,
+)
+from sat_jax.data.sources import JsonlSource, ListSource, PromptSource, TaskSource, TfdsSource
+from sat_jax.data.tasks import (
+    TASKS,
+    AdditionTask,
+    ArithmeticTask,
+    Example,
+    MultiplicationTask,
+    Task,
+    make_task,
+)
+from sat_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
+
+__all__ = [
+    "BOS_ID",
+    "EOS_ID",
+    "PAD_ID",
+    "TASKS",
+    "AdditionTask",
+    "ArithmeticTask",
+    "CharTokenizer",
+    "Example",
+    "JsonlSource",
+    "ListSource",
+    "MultiplicationTask",
+    "PromptIterator",
+    "PromptSource",
+    "TaskSource",
+    "Task",
+    "TfdsSource",
+    "avg_at_k",
+    "evaluate",
+    "extract_answer",
+    "make_task",
+    "math_reward",
+    "math_reward_fn",
+    "mean_pass_at_k",
+    "normalize_answer",
+    "parse_number",
+    "pass1",
+    "pass_at_k",
+]
