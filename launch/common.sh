@@ -64,6 +64,24 @@ common_opts() {
 	switch --dry-run DRY_RUN "print the commands instead of running them"
 }
 
+# The options of scripts that work inside the checkout on the workers.
+remote_opts() {
+	opt --remote-dir REMOTE_DIR sat_jax "the project's directory on each worker, relative to the remote home"
+	opt --venv VENV sat_jax_venv "virtual environment on each worker, relative to the remote home"
+}
+
+# The --run option, and RUN_DIR: the run's directory on the workers (relative to the remote home).
+run_opt() {
+	opt --run RUN_NAME "$1" "$2"
+}
+
+check_run_name() {
+	require RUN_NAME
+	[[ $RUN_NAME =~ ^[A-Za-z0-9._-]+$ ]] || die "--run must be letters, digits, '.', '_' or '-', got '$RUN_NAME'"
+	# shellcheck disable=SC2034 # used by the scripts that source this file
+	RUN_DIR="$REMOTE_DIR/runs/$RUN_NAME"
+}
+
 usage() {
 	local i flag
 	printf 'Usage: %s %s\n\n%s\n\nOptions (each also read from the environment variable shown):\n' \
@@ -231,13 +249,14 @@ slice_nodes() {
 	fi
 }
 
-# ssh_all COMMAND: run COMMAND on every worker of every slice (one --worker=all ssh per slice).
-ssh_all() {
+# ssh_slices WORKER COMMAND: run COMMAND on WORKER (a worker index or "all") of every slice:
+# one ssh per slice, which gcloud fans out to the slice's workers at once.
+ssh_slices() {
 	local node
 	gcloud_loc
 	slice_nodes
 	for node in "${NODES[@]}"; do
-		run gcloud compute tpus tpu-vm ssh "$node" "${GCLOUD_LOC[@]}" --worker=all --command="$1"
+		run gcloud compute tpus tpu-vm ssh "$node" "${GCLOUD_LOC[@]}" --worker="$1" --command="$2"
 	done
 }
 

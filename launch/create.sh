@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create a Cloud TPU VM (or a queued resource that becomes one) for sat_jax.
 set -euo pipefail
-# shellcheck source=launch/common.sh
+# shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 USAGE_SYNOPSIS="--zone ZONE --name NAME [options]"
