@@ -59,6 +59,15 @@ def extract_answer(text: str) -> str | None:
     """The final-answer string of a completion (see module docstring for the order), or None."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
+    marked = _marked_answer(text)
+    if marked is not None:
+        return marked
+    numbers = _NUMBER_IN_TEXT.findall(text)
+    return numbers[-1].strip() if numbers else None
+
+
+def _marked_answer(text: str) -> str | None:
+    """The answer behind an explicit marker (boxed, ####, "answer is"), or None."""
     boxed = _last_boxed(text)
     if boxed is not None and boxed.strip():
         return boxed.strip()
@@ -68,8 +77,7 @@ def extract_answer(text: str) -> str | None:
             candidate = _candidate_from_tail(tail)
             if candidate is not None:
                 return candidate
-    numbers = _NUMBER_IN_TEXT.findall(text)
-    return numbers[-1].strip() if numbers else None
+    return None
 
 
 def _candidate_from_tail(tail: str) -> str | None:
@@ -174,8 +182,8 @@ def math_reward(
     elif isinstance(reference, str):
         ref_values = _number_candidates(reference)
         if not ref_values:
-            # A worked solution as the reference: take its final answer.
-            extracted = extract_answer(reference)
+            # A worked solution as the reference ("... #### 72"): take its marked final answer.
+            extracted = _marked_answer(reference)
             if extracted is not None:
                 reference = extracted
                 ref_values = _number_candidates(reference)

@@ -163,16 +163,26 @@ class ArithmeticTask(Task):
 class AdditionTask(ArithmeticTask):
     """Multi-digit addition, e.g. ``"37+85="`` -> ``"122"``. See `ArithmeticTask`."""
 
-    def __init__(self, num_digits: int = 2, train_size: int | None = None, eval_size: int = 500,
-                 seed: int = 0):
+    def __init__(
+        self,
+        num_digits: int = 2,
+        train_size: int | None = None,
+        eval_size: int = 500,
+        seed: int = 0,
+    ):
         super().__init__("+", num_digits, train_size, eval_size, seed)
 
 
 class MultiplicationTask(ArithmeticTask):
     """Multi-digit multiplication, e.g. ``"12*34="`` -> ``"408"``. See `ArithmeticTask`."""
 
-    def __init__(self, num_digits: int = 2, train_size: int | None = None, eval_size: int = 500,
-                 seed: int = 0):
+    def __init__(
+        self,
+        num_digits: int = 2,
+        train_size: int | None = None,
+        eval_size: int = 500,
+        seed: int = 0,
+    ):
         super().__init__("*", num_digits, train_size, eval_size, seed)
 
 

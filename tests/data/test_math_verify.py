@@ -1,0 +1,96 @@
+"""Hand-written cases for the numeric math-answer verifier."""
+
+import pytest
+
+from sat_jax.data import extract_answer, math_reward, normalize_answer, parse_number
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        (r"so \boxed{12} and later 7", "12"),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),  # nested braces
+        (r"first \boxed{3} then \boxed{4}", "4"),  # the last box wins
+        ("steps...\n#### 1,234\n", "1,234"),
+        ("The answer is 3.50.", "3.50."),
+        ("The answer is 12 apples.", "12"),
+        ("Answer: -7", "-7"),
+        ("I get 3, then 4, so 5", "5"),
+        ("10-3", "3"),  # a minus between numbers is an operator, not a sign
+        ("no digits here", None),
+        (r"\boxed{}", None),
+    ],
+)
+def test_extract_answer(completion, expected):
+    assert extract_answer(completion) == expected
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("1,234,567", 1234567.0),
+        ("2.50", 2.5),
+        ("+5", 5.0),
+        (r"\frac{3}{4}", 0.75),
+        (r"-\dfrac{1}{8}", -0.125),
+        (r"\frac12", 0.5),
+        ("3/8", 0.375),
+        ("50%", 50.0),
+        (r"50\%", 50.0),
+        ("$1{,}000$", None),  # LaTeX-escaped separators are not supported
+        ("1 000", 1000.0),
+        ("7.", 7.0),
+        ("1e3", 1000.0),
+        (r"5\text{ cm}", 5.0),
+        ("1,2", None),  # not a thousands separator
+        ("x+1", None),
+        ("1/0", None),
+        ("", None),
+    ],
+)
+def test_parse_number(text, value):
+    assert parse_number(text) == value
+
+
+@pytest.mark.parametrize(
+    "completion, reference, reward",
+    [
+        (r"The total is \boxed{1,234}.", "1234", 1.0),
+        ("The answer is 3.50.", "3.5", 1.0),
+        ("work\n#### 72", "72", 1.0),
+        (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+        (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+        ("The answer is $\\frac{3}{4}$.", "3/4", 1.0),
+        ("answer: 50%", "0.5", 1.0),
+        ("answer: 50%", "50", 1.0),
+        ("It is 0.5", "50%", 1.0),
+        ("+5", "5", 1.0),
+        ("-5", "5", 0.0),
+        ("2.0", 2, 1.0),
+        ("0.3333333", "1/3", 1.0),  # within rel_tol=1e-6
+        ("0.333", "1/3", 0.0),
+        (r"\boxed{5} (I also tried 7)", "7", 0.0),  # boxed beats the last number
+        ("I think 3 then 4", "4", 1.0),
+        ("nothing", "5", 0.0),
+        ("5", "Natalia sold 48/2 = 24 clips.\n#### 72", 0.0),  # worked solution as reference
+        ("72", "Natalia sold 48/2 = 24 clips.\n#### 72", 1.0),
+        (r"\boxed{x+1}", "x + 1", 1.0),  # non-numeric: normalised strings compared
+        (r"\boxed{x+2}", "x+1", 0.0),
+    ],
+)
+def test_math_reward(completion, reference, reward):
+    assert math_reward(completion, reference) == reward
+
+
+def test_tolerance_is_configurable():
+    assert math_reward("3.14", "3.14159") == 0.0
+    assert math_reward("3.14", "3.14159", rel_tol=1e-3) == 1.0
+
+
+def test_normalize_answer():
+    assert normalize_answer(r" $\left( 1 \right)$. ") == "(1)"
+
+
+def test_bad_reference_type():
+    with pytest.raises(TypeError, match="reference"):
+        math_reward("1", [1])
