@@ -1,0 +1,50 @@
+"""Input validation at public boundaries: shape checks (chex) and value checks on concrete inputs.
+
+Both raise ``ValueError`` naming the offending argument. Value checks (token-id ranges) need
+concrete arrays, so they are skipped for tracers: inside ``jax.jit`` only shapes are checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import chex
+import jax
+import numpy as np
+
+
+def check_shape(name: str, x: chex.Array, shape: Sequence[int | None]) -> None:
+    """Raise ValueError naming ``name`` unless ``x.shape`` matches ``shape`` (None = any)."""
+    try:
+        chex.assert_shape(x, tuple(shape))
+    except AssertionError as e:
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {np.shape(x)}") from e
+
+
+def check_rank(name: str, x: chex.Array, rank: int) -> None:
+    try:
+        chex.assert_rank(x, rank)
+    except AssertionError as e:
+        raise ValueError(f"{name} must have rank {rank}, got shape {np.shape(x)}") from e
+
+
+def check_integer(name: str, x: chex.Array) -> None:
+    if not np.issubdtype(np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype, np.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {x.dtype}")
+
+
+def is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_token_ids(name: str, tokens: chex.Array, vocab_size: int, where=None) -> None:
+    """Raise ValueError if a (selected) id of a concrete ``tokens`` is outside [0, vocab_size)."""
+    if not is_concrete(tokens) or (where is not None and not is_concrete(where)):
+        return
+    t = np.asarray(tokens)
+    if where is not None:
+        t = t[np.asarray(where, dtype=bool)]
+    if t.size and (t.min() < 0 or t.max() >= vocab_size):
+        raise ValueError(
+            f"{name} holds token ids outside [0, {vocab_size}): min {t.min()}, max {t.max()}"
+        )

@@ -1,0 +1,243 @@
+"""Building blocks of the MoE decoder: RMSNorm, rotary embeddings, GQA attention with q/k norm and a
+KV cache, the top-k softmax router with capture and replay (R3, Eq. 40), and the MoE feed-forward.
+
+Parameters are float32; every block casts them to the compute dtype at use, so one parameter tree
+serves a float32 trainer and a bfloat16 sampler (the paper's engine mismatch, Section 4.4).
+Norms, softmaxes and rotary angles are computed in float32 whatever the compute dtype, as in
+Hugging Face's Qwen3-MoE.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sat_jax.models.config import ModelConfig
+
+# Score of a masked attention slot: finite so that no row can become NaN.
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
+
+
+class Dense(nnx.Module):
+    """y = x · W (no bias, as every projection of Qwen3-MoE). ``kernel`` is [in, out]."""
+
+    def __init__(self, din: int, dout: int, *, std: float, rngs: nnx.Rngs):
+        self.kernel = _normal(rngs, (din, dout), std)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.dot(x, self.kernel[...].astype(x.dtype))
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x²) + eps) · w, statistics in float32."""
+
+    def __init__(self, dim: int, *, eps: float):
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        w = self.weight[...].reshape((1,) * (y.ndim - 1) + (-1,))
+        return (y * w).astype(x.dtype)
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021), Hugging Face "rotate-half" layout.
+
+    For head width D and frequencies ω_i = θ^(−2i/D), i < D/2, with x = [x₁, x₂] split in halves:
+    rope(x, p) = [x₁·cos(pω) − x₂·sin(pω), x₂·cos(pω) + x₁·sin(pω)]. Then
+    rope(q, m)·rope(k, n) depends on m − n only.
+
+    Args:
+      x: [B, T, heads, D].
+      positions: [B, T] integer positions.
+      theta: rotary base.
+    """
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., : d // 2], x32[..., d // 2 :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class LayerCache(NamedTuple):
+    """Keys and values of one attention layer, [B, S, kv_heads, head_dim] each (slot = index)."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3) and rotary embeddings.
+
+    Slots: query t of a call sits at slot ``cache_index + t``; key slot j is visible to it when
+    j ≤ slot and ``kv_mask[b, j]``, or j is the query's own slot (so a padding query never has an
+    empty row). Without a cache, the keys are the call's own tokens and ``cache_index`` is 0.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, hk, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = Dense(d, h * hd, std=cfg.init_std, rngs=rngs)
+        self.k_proj = Dense(d, hk * hd, std=cfg.init_std, rngs=rngs)
+        self.v_proj = Dense(d, hk * hd, std=cfg.init_std, rngs=rngs)
+        self.o_proj = Dense(h * hd, d, std=cfg.init_std, rngs=rngs)
+        self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hk, hd
+        self.rope_theta = cfg.rope_theta
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        kv_mask: jax.Array,
+        cache: LayerCache | None,
+        cache_index: jax.Array | int,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        b, t, _ = x.shape
+        hk, g, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q = self.q_norm(self.q_proj(x).reshape(b, t, hk * g, hd))
+        k = self.k_norm(self.k_proj(x).reshape(b, t, hk, hd))
+        v = self.v_proj(x).reshape(b, t, hk, hd)
+        q = rotary(q, positions, self.rope_theta).reshape(b, t, hk, g, hd)
+        k = rotary(k, positions, self.rope_theta)
+        if cache is not None:
+            k_all = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype),
+                                                        cache_index, axis=1)
+            v_all = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype),
+                                                        cache_index, axis=1)
+            new_cache = LayerCache(k_all, v_all)
+            k_all, v_all = k_all.astype(x.dtype), v_all.astype(x.dtype)
+        else:
+            k_all, v_all, new_cache = k, v, None
+        s = k_all.shape[1]
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_all).astype(jnp.float32)
+        scores = scores * (1.0 / float(hd) ** 0.5)
+        q_slot = cache_index + jnp.arange(t)[:, None]  # [t, 1]
+        k_slot = jnp.arange(s)[None, :]  # [1, s]
+        allowed = ((k_slot <= q_slot)[None] & kv_mask[:, None, :]) | (k_slot == q_slot)[None]
+        scores = jnp.where(allowed[:, None, None], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v_all).reshape(b, t, hk * g * hd)
+        return self.o_proj(out), new_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, d: int, f: int, *, std: float, rngs: nnx.Rngs):
+        self.gate_proj = Dense(d, f, std=std, rngs=rngs)
+        self.up_proj = Dense(d, f, std=std, rngs=rngs)
+        self.down_proj = Dense(f, d, std=std, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def select_experts(router_logits: jax.Array, k: int) -> jax.Array:
+    """Fresh routing decision: indices of the k largest router logits, int32 [..., k]."""
+    return jax.lax.top_k(router_logits, k)[1].astype(jnp.int32)
+
+
+def routing_gates(
+    router_logits: jax.Array, indices: jax.Array, *, norm_topk_prob: bool
+) -> jax.Array:
+    """Gate weights [..., E] of the experts in ``indices`` from the current router logits z.
+
+    With ``norm_topk_prob`` (Qwen3-MoE default) this is the replayed gate of Eq. 40:
+        g_e = 1[e ∈ I] · exp(z_e) / Σ_{e' ∈ I} exp(z_e'),
+    i.e. the softmax of z restricted to the set I. Without it, Qwen3 uses the full softmax
+    probabilities at the chosen experts, g_e = 1[e ∈ I] · exp(z_e) / Σ_{e'} exp(z_e') (weights do
+    not sum to 1), and replay keeps that: only the set I is replayed. Either way the gates are
+    differentiable functions of the current z, so the router still receives gradients; with
+    ``norm_topk_prob`` and k = 1 the gate is identically 1 and it does not.
+
+    The same function serves fresh routing (I = top-k of z) and replay (I recorded at rollout), so
+    replaying the indices a fresh pass chose reproduces its gates bit for bit.
+
+    Args:
+      router_logits: z, [..., E], any float dtype (computed in float32).
+      indices: I, int [..., k].
+      norm_topk_prob: renormalise over I (Eq. 40) or keep full-softmax weights.
+    """
+    z = router_logits.astype(jnp.float32)
+    chosen = jnp.sum(jax.nn.one_hot(indices, z.shape[-1], dtype=jnp.bool_), axis=-2) > 0
+    if norm_topk_prob:
+        return jax.nn.softmax(jnp.where(chosen, z, -jnp.inf), axis=-1)
+    return jnp.where(chosen, jax.nn.softmax(z, axis=-1), 0.0)
+
+
+def load_balancing_loss(router_logits: jax.Array, k: int, token_mask: jax.Array) -> jax.Array:
+    """Switch-Transformer load-balancing loss (Fedus et al. 2021) of one layer, fresh top-k.
+
+    L = E · Σ_e f_e · P_e with f_e = share of (masked) token-slots whose fresh top-k holds e
+    (Σ_e f_e = 1) and P_e = mean router probability of e over masked tokens. Uses the fresh top-k
+    of the current logits even under replay (SPEC, R3).
+
+    Args:
+      router_logits: [B, T, E].
+      k: experts per token.
+      token_mask: [B, T] bool, tokens that count.
+    """
+    e = router_logits.shape[-1]
+    z = router_logits.astype(jnp.float32)
+    w = token_mask.astype(jnp.float32)[..., None]
+    denom = jnp.maximum(jnp.sum(w), 1.0)
+    fresh = jnp.sum(jax.nn.one_hot(select_experts(z, k), e, dtype=jnp.float32), axis=-2)
+    f = jnp.sum(fresh * w, axis=(0, 1)) / (denom * k)
+    p = jnp.sum(jax.nn.softmax(z, axis=-1) * w, axis=(0, 1)) / denom
+    return e * jnp.sum(f * p)
+
+
+class MoE(nnx.Module):
+    """Mixture-of-experts SwiGLU feed-forward with a top-k softmax router (Qwen3-MoE).
+
+    y = Σ_e g_e · Expert_e(x) (+ σ(w_s·x) · Shared(x) when a shared expert is configured), with g
+    from ``routing_gates``. This is the small-scale path: every expert is computed densely for every
+    token and weighted by g (zero off the chosen set). It costs E/k times the FLOPs of a dispatching
+    implementation but is exact and simple; replace with a grouped matmul for real sizes.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, e, std = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.init_std
+        self.gate = Dense(d, e, std=std, rngs=rngs)  # the router, named as in Hugging Face
+        self.gate_proj = _normal(rngs, (e, d, f), std)
+        self.up_proj = _normal(rngs, (e, d, f), std)
+        self.down_proj = _normal(rngs, (e, f, d), std)
+        if cfg.shared_expert_intermediate_size > 0:
+            self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size, std=std, rngs=rngs)
+            self.shared_expert_gate = Dense(d, 1, std=std, rngs=rngs)
+        else:
+            self.shared_expert = None
+            self.shared_expert_gate = None
+        self.k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+
+    def __call__(
+        self, x: jax.Array, replay: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Returns (output [B, T, d], indices used [B, T, k] int32, router logits [B, T, E] f32)."""
+        dt = x.dtype
+        # Router logits in the compute dtype, then float32: a bfloat16 engine routes on bf16 logits.
+        z = self.gate(x).astype(jnp.float32)
+        indices = select_experts(z, self.k) if replay is None else replay.astype(jnp.int32)
+        gates = routing_gates(z, indices, norm_topk_prob=self.norm_topk_prob)
+        g = jnp.einsum("btd,edf->btef", x, self.gate_proj[...].astype(dt))
+        u = jnp.einsum("btd,edf->btef", x, self.up_proj[...].astype(dt))
+        h = jax.nn.silu(g) * u * gates.astype(dt)[..., None]
+        y = jnp.einsum("btef,efd->btd", h, self.down_proj[...].astype(dt))
+        if self.shared_expert is not None:
+            y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y, indices, z
