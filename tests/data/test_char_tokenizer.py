@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sat_jax.data import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
 
@@ -81,3 +83,12 @@ def test_bad_alphabets():
         CharTokenizer("0120")
     with pytest.raises(ValueError, match="vocab_size"):
         CharTokenizer("".join(chr(ord("!") + i) for i in range(62)))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(alphabet=CharTokenizer().alphabet, max_size=40))
+def test_round_trip_property(text):
+    tok = CharTokenizer()
+    ids = tok.encode(text, add_bos=True, add_eos=True)
+    assert all(0 < i < tok.vocab_size for i in ids)
+    assert tok.decode(ids + [5, 6]) == text

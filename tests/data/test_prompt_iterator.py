@@ -3,6 +3,8 @@
 import json
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from sat_jax.data import ListSource, PromptIterator
 
@@ -119,3 +121,31 @@ def test_restore_rejects_incompatible_state():
         it.restore({"epoch": 0, "seed": 0})
     with pytest.raises(ValueError, match="exceeds the 5 batches"):
         it.restore(dict(state, position=6))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 30),
+    batch_size=st.integers(1, 30),
+    process_count=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 2**31),
+    stop=st.integers(0, 12),
+)
+def test_resume_and_sharding_property(n, batch_size, process_count, seed, stop):
+    assume(batch_size <= n and batch_size % process_count == 0)
+    glob = PromptIterator(_source(n), batch_size, seed)
+    expected = [_ids(next(glob)) for _ in range(stop + 4)]
+    shards = [
+        PromptIterator(_source(n), batch_size, seed, process_index=p, process_count=process_count)
+        for p in range(process_count)
+    ]
+    for step in range(stop):
+        assert sum((_ids(next(s)) for s in shards), []) == expected[step]
+    resumed = [
+        PromptIterator(_source(n), batch_size, 0, process_index=p, process_count=process_count)
+        for p in range(process_count)
+    ]
+    for r, s in zip(resumed, shards, strict=True):
+        r.restore(s.state())
+    for step in range(stop, stop + 4):
+        assert sum((_ids(next(r)) for r in resumed), []) == expected[step]
