@@ -17,7 +17,7 @@ EOS_ID = 2
 NUM_SPECIAL = 3
 
 # Digits, arithmetic, the answer separator "=", punctuation that math prompts use and the lowercase
-# letters (short instructions such as "what is"). 51 symbols in all, well under the 64 limit.
+# letters (short instructions such as "what is"). 49 symbols, so vocab_size 52 (limit 64).
 DEFAULT_ALPHABET = "0123456789+-*/=()., :?%abcdefghijklmnopqrstuvwxyz"
 MAX_VOCAB_SIZE = 64
 
