@@ -201,7 +201,7 @@ def _import_tfds():
     except ImportError as e:
         raise ImportError(
             "TfdsSource needs tensorflow-datasets and array-record (TensorFlow is not needed): "
-            "pip install 'tensorflow-datasets>=4.9.4' 'array-record>=0.5'"
+            "pip install tensorflow-datasets array-record (tested: 4.9.10 and 0.8.6)"
         ) from e
     return tfds
 
