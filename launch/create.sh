@@ -8,7 +8,7 @@ USAGE_SYNOPSIS="--zone ZONE --name NAME [options]"
 USAGE_TEXT="Create a TPU VM with 'gcloud compute tpus tpu-vm create', or with --queued a queued resource
 ('gcloud compute tpus queued-resources create') that Cloud TPU provisions when capacity frees up.
 Multi-slice (--num-slices > 1) always uses a queued resource. With --wait, poll the queued
-resource until it is ACTIVE (or FAILED/SUSPENDED)."
+resource until it is ACTIVE (or stop on FAILED, SUSPENDING, SUSPENDED, DELETING)."
 
 common_opts
 opt --accelerator-type ACCELERATOR_TYPE v5litepod-8 "TPU type and size, e.g. v5litepod-8, v5litepod-16, v6e-16, v5p-8"
@@ -62,7 +62,7 @@ while :; do
 	info "queued resource $TPU_NAME: ${state:-unknown}"
 	case $state in
 	ACTIVE) exit 0 ;;
-	FAILED | SUSPENDED) die "queued resource $TPU_NAME is $state (see: gcloud compute tpus queued-resources describe $TPU_NAME --zone=$ZONE)" ;;
+	FAILED | SUSPENDING | SUSPENDED | DELETING) die "queued resource $TPU_NAME is $state (see: gcloud compute tpus queued-resources describe $TPU_NAME --zone=$ZONE)" ;;
 	esac
 	sleep "$WAIT_INTERVAL"
 done

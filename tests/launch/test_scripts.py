@@ -388,11 +388,11 @@ def test_queued_wait_polls_until_active(env):
     assert "WAITING_FOR_RESOURCES" in proc.stderr
 
 
-def test_queued_wait_fails_on_failed_state(env):
-    env = {**env, "FAKE_QR_STATES": "FAILED"}
+def test_queued_wait_stops_when_suspended(env):
+    env = {**env, "FAKE_QR_STATES": "WAITING_FOR_RESOURCES,SUSPENDED"}
     proc = run("create.sh", [*BASE, "--queued", "--wait"], env, check=False)
     assert proc.returncode != 0
-    assert "FAILED" in proc.stderr
+    assert "is SUSPENDED" in proc.stderr
 
 
 @pytest.mark.parametrize(
