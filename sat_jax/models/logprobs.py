@@ -40,7 +40,8 @@ def apply_support_cutoff(
     """
     inside = scaled_logits >= cutoff[..., None]
     if keep is not None:
-        inside = inside | (jnp.arange(scaled_logits.shape[-1]) == keep[..., None])
+        vocab = jnp.arange(scaled_logits.shape[-1]).reshape((1,) * keep.ndim + (-1,))
+        inside = inside | (vocab == keep[..., None])
     return jnp.where(inside, scaled_logits, -jnp.inf)
 
 

@@ -1,0 +1,349 @@
+"""Jitted autoregressive rollout engine with a KV cache, resumable in chunks for parameter swaps.
+
+Sequence layout (shared with ``sat_jax.models.token_logprobs``):
+
+* Prompts come in right-padded (as a tokenizer emits them) with per-sequence lengths, and are
+  stored **left-padded** to a fixed width P = ``max_prompt_len``, so every sequence starts its
+  response at slot P and one decode step serves the whole batch. Rotary positions come from the
+  mask (``cumsum(mask) − 1``), so padding changes no real position.
+* ``tokens`` is [B, P + N] (prompt and response, N = ``max_new_tokens``); slots after a
+  sequence's EOS hold ``pad_id`` and are masked out. The EOS itself is part of the response.
+* Per-response-token arrays (``behavior_logp``, ``cutoffs``, ``versions``, ``response_mask``) are
+  [B, N], column j describing token ``tokens[:, P + j]``.
+* ``routing`` is [num_moe_layers, B, P + N − 1, k]: the experts used at every *fed* slot
+  0 … P + N − 2 (the last token is sampled, never fed). It is exactly what ``token_logprobs``
+  expects for ``tokens``.
+
+Decoding: a prefill writes the cache for slots 0 … P − 2; then each decode step feeds one token
+(slot P − 1 + step), samples the next one and records its behavior log-prob log μ(y | s) under the
+distribution actually sampled from (temperature, then top-k/top-p truncation), the support
+cut-off (Eq. 50), the routing and the parameter version of the step. Steps run inside one
+``lax.while_loop`` per call; ``decode`` stops after ``num_steps`` steps or when every sequence
+has finished, and can be called again with different parameters (the "stream" mode of Section
+4.4: the cache written by older parameters is kept, as in an engine that swaps weights in flight).
+
+Randomness: step i samples with ``fold_in(key, i)``, so results do not depend on how decoding is
+split into chunks, and a fixed key gives identical rollouts.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sat_jax.models import _checks
+from sat_jax.models.config import ModelConfig
+from sat_jax.models.layers import LayerCache
+from sat_jax.models.logprobs import apply_support_cutoff, scale_logits
+from sat_jax.models.transformer import graphdef_for, init_cache, positions_from_mask
+from sat_jax.sampling.truncation import support_cutoff
+
+
+class SamplingParams(NamedTuple):
+    """Sampling distribution: softmax of logits / temperature over the top-k / top-p support.
+
+    All three are traced scalars inside the engine: changing them never recompiles.
+    ``top_k`` ≤ 0 disables top-k (top_k = 1 is greedy); ``top_p`` = 1 disables top-p.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+class DecodeState(NamedTuple):
+    """Resumable decode state (a pytree; see the module docstring for layouts)."""
+
+    tokens: jax.Array  # [B, P + N] int32
+    input_mask: jax.Array  # [B, P + N] bool
+    prompt_lengths: jax.Array  # [B] int32
+    cache: tuple[LayerCache, ...]  # per layer [B, P + N, kv_heads, head_dim], engine dtype
+    step: jax.Array  # int32 scalar: response tokens decoded so far
+    done: jax.Array  # [B] bool: EOS sampled
+    behavior_logp: jax.Array  # [B, N] float32
+    cutoffs: jax.Array  # [B, N] float32
+    versions: jax.Array  # [B, N] int32
+    routing: jax.Array  # [L, B, P + N − 1, k] int32
+    key: jax.Array  # PRNG key
+    sampling: SamplingParams  # traced scalars
+
+
+class SampleOutput(NamedTuple):
+    """A finished (or partial) batch of rollouts.
+
+    Attributes:
+      tokens: [B, P + N] int32, left-padded prompt then response (``pad_id`` after EOS).
+      input_mask: [B, P + N] bool, real tokens (prompt and response up to and including EOS).
+      prompt_lengths: [B] int32.
+      behavior_logp: [B, N] float32, log μ(y_t | s_t) of each response token under the sampled
+        distribution (after temperature and truncation); 0 on padding.
+      response_mask: [B, N] bool, response tokens that exist (through EOS).
+      response_lengths: [B] int32.
+      routing: [num_moe_layers, B, P + N − 1, k] int32, experts used at every fed slot.
+      cutoffs: [B, N] float32 support cut-off per response token (−∞: no truncation / padding).
+      versions: [B, N] int32, parameter version that produced each token; −1 on padding.
+    """
+
+    tokens: jax.Array
+    input_mask: jax.Array
+    prompt_lengths: jax.Array
+    behavior_logp: jax.Array
+    response_mask: jax.Array
+    response_lengths: jax.Array
+    routing: jax.Array
+    cutoffs: jax.Array
+    versions: jax.Array
+
+    @property
+    def prompt_width(self) -> int:
+        """P: the slot of the first response token; pass as ``token_logprobs(response_start=)``."""
+        return self.tokens.shape[1] - self.behavior_logp.shape[1]
+
+    @property
+    def response_tokens(self) -> jax.Array:
+        """[B, N] response tokens (``pad_id`` after EOS)."""
+        return self.tokens[:, self.prompt_width :]
+
+
+class Sampler:
+    """Batched rollout engine for one model configuration and fixed prompt/response widths.
+
+    Args:
+      config: the trainer's ``ModelConfig`` (same parameter tree).
+      max_prompt_len: P, prompt slots; longer prompts are rejected.
+      max_new_tokens: N, response slots; the KV cache holds P + N slots.
+      eos_id: end-of-sequence id; the sequence stops after sampling it.
+      pad_id: id written after EOS (masked out everywhere).
+      dtype: engine compute dtype (default ``config.dtype``). ``jnp.bfloat16`` against a float32
+        trainer reproduces the paper's engine mismatch, routing flips included.
+
+    Usage::
+
+        sampler = Sampler(cfg, max_prompt_len=16, max_new_tokens=64, eos_id=1)
+        out = sampler.generate(params, prompts, prompt_lengths, key, SamplingParams(1.0))
+        # or, swapping parameters between chunks:
+        state = sampler.init(params, prompts, prompt_lengths, key, SamplingParams(1.0))
+        while not sampler.is_done(state):
+            params, version = snapshot_store.latest()
+            state = sampler.decode(params, state, num_steps=8, version=version)
+        out = sampler.finalize(state)
+
+    Each of ``init`` and ``decode`` compiles once per (batch size, params structure); sampling
+    parameters, chunk sizes, versions and parameter values are traced.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        max_prompt_len: int,
+        max_new_tokens: int,
+        eos_id: int,
+        pad_id: int = 0,
+        dtype=None,
+    ):
+        if max_prompt_len < 1 or max_new_tokens < 1:
+            raise ValueError(
+                f"max_prompt_len and max_new_tokens must be ≥ 1, got {max_prompt_len}, "
+                f"{max_new_tokens}"
+            )
+        for name, v in (("eos_id", eos_id), ("pad_id", pad_id)):
+            if not 0 <= v < config.vocab_size:
+                raise ValueError(f"{name}={v} is outside [0, {config.vocab_size})")
+        self.config = config.replace(dtype=config.dtype if dtype is None else dtype, remat=False)
+        self.graphdef = graphdef_for(self.config)
+        self.max_prompt_len = int(max_prompt_len)
+        self.max_new_tokens = int(max_new_tokens)
+        self.eos_id, self.pad_id = int(eos_id), int(pad_id)
+        self._prefill = jax.jit(self._prefill_impl)
+        self._decode = jax.jit(self._decode_impl)
+
+    # ------------------------------------------------------------------ public API
+
+    def init(
+        self,
+        params: nnx.State,
+        prompts,
+        prompt_lengths,
+        key: jax.Array,
+        sampling: SamplingParams | None = None,
+    ) -> DecodeState:
+        """Validate and left-align the prompts, prefill the KV cache; no token is sampled yet.
+
+        Args:
+          params: float32 parameter ``nnx.State`` (cast to the engine dtype at use).
+          prompts: [B, W] int, right-padded, W ≤ max_prompt_len.
+          prompt_lengths: [B] int in [1, W].
+          key: PRNG key of the whole rollout.
+          sampling: ``SamplingParams`` (default: temperature 1, no truncation).
+        """
+        tokens, mask, lengths = self._layout(prompts, prompt_lengths)
+        sampling = SamplingParams() if sampling is None else sampling
+        sp = SamplingParams(
+            jnp.asarray(sampling.temperature, jnp.float32),
+            jnp.asarray(sampling.top_p, jnp.float32),
+            jnp.asarray(sampling.top_k, jnp.int32),
+        )
+        if not (np.asarray(sp.temperature) > 0 and 0 < np.asarray(sp.top_p) <= 1):
+            raise ValueError(f"sampling needs temperature > 0 and top_p in (0, 1], got {sampling}")
+        return self._prefill(params, tokens, mask, lengths, key, sp)
+
+    def decode(
+        self, params: nnx.State, state: DecodeState, num_steps: int | None = None, version=0
+    ) -> DecodeState:
+        """Decode up to ``num_steps`` more tokens (default: to the end) with ``params``, tagging
+        each with ``version``. Stops early once every sequence has sampled EOS."""
+        n = self.max_new_tokens if num_steps is None else int(num_steps)
+        if n < 0:
+            raise ValueError(f"num_steps must be ≥ 0, got {num_steps}")
+        return self._decode(params, state, jnp.asarray(n, jnp.int32),
+                            jnp.asarray(version, jnp.int32))
+
+    def is_done(self, state: DecodeState) -> bool:
+        """True once all N tokens are decoded or every sequence has finished (host sync)."""
+        return bool(state.step >= self.max_new_tokens) or bool(jnp.all(state.done))
+
+    def finalize(self, state: DecodeState) -> SampleOutput:
+        """Package a decode state (finished or not) as a ``SampleOutput``."""
+        p = self.max_prompt_len
+        response_mask = state.input_mask[:, p:]
+        return SampleOutput(
+            tokens=state.tokens,
+            input_mask=state.input_mask,
+            prompt_lengths=state.prompt_lengths,
+            behavior_logp=state.behavior_logp,
+            response_mask=response_mask,
+            response_lengths=jnp.sum(response_mask, axis=-1, dtype=jnp.int32),
+            routing=state.routing,
+            cutoffs=state.cutoffs,
+            versions=state.versions,
+        )
+
+    def generate(
+        self,
+        params: nnx.State,
+        prompts,
+        prompt_lengths,
+        key: jax.Array,
+        sampling: SamplingParams | None = None,
+        version=0,
+    ) -> SampleOutput:
+        """``init`` + ``decode`` to the end with one parameter version + ``finalize``."""
+        state = self.init(params, prompts, prompt_lengths, key, sampling)
+        return self.finalize(self.decode(params, state, version=version))
+
+    # ------------------------------------------------------------------ internals
+
+    def _layout(self, prompts, prompt_lengths):
+        """Host-side validation and left-alignment into [B, P + N] (fixed shapes: no recompiles)."""
+        _checks.check_rank("prompts", prompts, 2)
+        _checks.check_integer("prompts", prompts)
+        b, w = np.shape(prompts)
+        _checks.check_shape("prompt_lengths", prompt_lengths, (b,))
+        _checks.check_integer("prompt_lengths", prompt_lengths)
+        prompts = np.asarray(prompts)
+        lengths = np.asarray(prompt_lengths).astype(np.int32)
+        p, n = self.max_prompt_len, self.max_new_tokens
+        if lengths.min(initial=1) < 1:
+            raise ValueError(f"prompt_lengths must be ≥ 1, got min {lengths.min()}")
+        if lengths.max(initial=0) > w:
+            raise ValueError(f"prompt_lengths max {lengths.max()} exceeds the prompts width {w}")
+        if lengths.max(initial=0) > p:
+            raise ValueError(
+                f"prompts: a prompt of {lengths.max()} tokens exceeds max_prompt_len={p} (the KV "
+                f"cache holds max_prompt_len + max_new_tokens = {p + n} slots)"
+            )
+        valid = np.arange(w)[None, :] < lengths[:, None]
+        _checks.check_token_ids("prompts", prompts, self.config.vocab_size, where=valid)
+        tokens = np.full((b, p + n), self.pad_id, np.int32)
+        mask = np.zeros((b, p + n), bool)
+        for i in range(b):
+            li = int(lengths[i])
+            tokens[i, p - li : p] = prompts[i, :li]
+            mask[i, p - li : p] = True
+        return jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(lengths)
+
+    def _prefill_impl(self, params, tokens, mask, lengths, key, sampling):
+        cfg = self.config
+        b = tokens.shape[0]
+        p, n = self.max_prompt_len, self.max_new_tokens
+        cache = init_cache(cfg, b, p + n)
+        routing = jnp.zeros((cfg.num_moe_layers, b, p + n - 1, cfg.num_experts_per_tok), jnp.int32)
+        if p > 1:  # the last prompt token is fed by the first decode step
+            model = nnx.merge(self.graphdef, params)
+            out = model(
+                tokens[:, : p - 1],
+                input_mask=mask[:, : p - 1],
+                positions=positions_from_mask(mask[:, : p - 1]),
+                cache=cache,
+                cache_index=0,
+                kv_mask=mask,
+                logits_from=p - 2,
+            )
+            cache = out.cache
+            routing = routing.at[:, :, : p - 1].set(out.routing)
+        return DecodeState(
+            tokens=tokens,
+            input_mask=mask,
+            prompt_lengths=lengths,
+            cache=cache,
+            step=jnp.zeros((), jnp.int32),
+            done=jnp.zeros((b,), jnp.bool_),
+            behavior_logp=jnp.zeros((b, n), jnp.float32),
+            cutoffs=jnp.full((b, n), -jnp.inf, jnp.float32),
+            versions=jnp.full((b, n), -1, jnp.int32),
+            routing=routing,
+            key=key,
+            sampling=sampling,
+        )
+
+    def _decode_impl(self, params, state: DecodeState, num_steps, version):
+        p, n = self.max_prompt_len, self.max_new_tokens
+        stop = jnp.minimum(state.step + num_steps, n)
+
+        def cond(s: DecodeState):
+            return (s.step < stop) & ~jnp.all(s.done)
+
+        def body(s: DecodeState) -> DecodeState:
+            model = nnx.merge(self.graphdef, params)
+            slot = p - 1 + s.step  # slot of the token fed at this step
+            fed = jax.lax.dynamic_slice_in_dim(s.tokens, slot, 1, axis=1)
+            out = model(
+                fed,
+                input_mask=jnp.ones_like(fed, jnp.bool_),
+                positions=(s.prompt_lengths - 1 + s.step)[:, None],
+                cache=s.cache,
+                cache_index=slot,
+                kv_mask=s.input_mask,
+            )
+            sp = s.sampling
+            scaled = scale_logits(out.logits[:, 0], sp.temperature)  # [B, V]
+            cutoff = support_cutoff(scaled, sp.top_p, sp.top_k)
+            masked = apply_support_cutoff(scaled, cutoff)
+            y = jax.random.categorical(jax.random.fold_in(s.key, s.step), masked, axis=-1)
+            logp = jnp.take_along_axis(jax.nn.log_softmax(masked, axis=-1), y[:, None], axis=-1)
+            active = ~s.done
+            y = jnp.where(active, y, self.pad_id).astype(jnp.int32)
+            col = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v[:, None], s.step, axis=1)
+            return DecodeState(
+                tokens=jax.lax.dynamic_update_slice_in_dim(s.tokens, y[:, None], slot + 1, 1),
+                input_mask=jax.lax.dynamic_update_slice_in_dim(
+                    s.input_mask, active[:, None], slot + 1, 1
+                ),
+                prompt_lengths=s.prompt_lengths,
+                cache=out.cache,
+                step=s.step + 1,
+                done=s.done | (active & (y == self.eos_id)),
+                behavior_logp=col(s.behavior_logp, jnp.where(active, logp[:, 0], 0.0)),
+                cutoffs=col(s.cutoffs, jnp.where(active, cutoff, -jnp.inf)),
+                versions=col(s.versions, jnp.where(active, version, -1)),
+                routing=jax.lax.dynamic_update_slice_in_dim(s.routing, out.routing, slot, 2),
+                key=s.key,
+                sampling=s.sampling,
+            )
+
+        return jax.lax.while_loop(cond, body, state)
