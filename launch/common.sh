@@ -75,6 +75,10 @@ run_opt() {
 	opt --run RUN_NAME "$1" "$2"
 }
 
+check_venv() {
+	[[ $VENV != /* && $VENV != '~'* ]] || die "--venv must be relative to the remote home, got '$VENV'"
+}
+
 check_run_name() {
 	require RUN_NAME
 	[[ $RUN_NAME =~ ^[A-Za-z0-9._-]+$ ]] || die "--run must be letters, digits, '.', '_' or '-', got '$RUN_NAME'"

@@ -23,13 +23,14 @@ opt --install-cmd INSTALL_CMD 'pip install -e ".[test]"' "command that installs 
 opt --jax-install-cmd JAX_INSTALL_CMD 'pip install -U "jax[tpu]"' "command that installs JAX for TPU, run after INSTALL_CMD"
 parse_args "$@"
 require ZONE TPU_NAME REMOTE_DIR VENV PYTHON INSTALL_CMD
+check_venv
 
 REMOTE_ARCHIVE=sat_jax-src.tar.gz
 dir=$(shquote "$REMOTE_DIR")
 steps=()
 if [[ -n $APT_PACKAGES ]]; then
 	read -r -a pkgs <<<"$APT_PACKAGES"
-	steps+=("sudo apt-get update -qq" "sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(quote_cmd "${pkgs[@]}")")
+	steps+=("sudo apt-get update -qq" "sudo DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq $(quote_cmd "${pkgs[@]}")")
 fi
 
 if [[ -z $REPO_URL ]]; then

@@ -7,7 +7,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 USAGE_SYNOPSIS="--zone ZONE --name NAME --config CONFIG --run RUN [options] [--config.KEY=VALUE ...] [-- EXTRA ...]"
 USAGE_TEXT="Start 'sat-jax train --config CONFIG --workdir WORKDIR' on all workers at once (one
 'tpu-vm ssh --worker=all' per slice), under nohup so it outlives the ssh session. Each worker logs
-to REMOTE_DIR/runs/RUN/logs/worker-<hostname>.log (read them with logs.sh). Arguments of the form
+to REMOTE_DIR/runs/RUN/logs/worker-<hostname>.log, appending when a run is restarted
+(read them with logs.sh). Arguments of the form
 --config.KEY=VALUE, and everything after '--', go to 'sat-jax train' unchanged.
 On more than one host (MULTIHOST=auto decides from ACCELERATOR_TYPE and NUM_SLICES) the command
 gets --multihost=on; on more than one slice also --coordinator_address=IP:PORT, by default the
@@ -25,6 +26,7 @@ opt --coordinator-port COORDINATOR_PORT 8476 "port of the JAX coordinator when t
 ACCEPTS_PASSTHROUGH=1
 parse_args "$@"
 require ZONE TPU_NAME CONFIG REMOTE_DIR VENV
+check_venv
 check_run_name
 
 if [[ $CONFIG != */* && $CONFIG != *.py ]]; then
@@ -65,7 +67,7 @@ logs=$(shquote "runs/$RUN_NAME/logs")
 # The VENV path is quoted after "~/" so the workers' shell still expands the tilde.
 command="cd $(shquote "$REMOTE_DIR") && mkdir -p $logs && nohup ~/$(shquote "$VENV")/bin/sat-jax"
 command+=" $(quote_cmd "${train[@]}")"
-command+=" > $logs/worker-\$(hostname).log 2>&1 < /dev/null &"
+command+=" >> $logs/worker-\$(hostname).log 2>&1 < /dev/null &"
 ssh_slices all "$command"
 if ((!DRY_RUN)); then
 	info "started run '$RUN_NAME'; follow it with: launch/logs.sh --zone $ZONE --name $TPU_NAME --run $RUN_NAME --follow"

@@ -107,7 +107,7 @@ def checkout(tmp_path):
 TRAIN_CMD = (
     "cd sat_jax && mkdir -p runs/r1/logs && nohup ~/sat_jax_venv/bin/sat-jax train"
     " --config configs/sat.py --workdir runs/r1{extra}"
-    " > runs/r1/logs/worker-$(hostname).log 2>&1 < /dev/null &"
+    " >> runs/r1/logs/worker-$(hostname).log 2>&1 < /dev/null &"
 )
 INSTALL = (
     "python3.11 -m venv ~/sat_jax_venv && . ~/sat_jax_venv/bin/activate && cd sat_jax"
@@ -115,7 +115,8 @@ INSTALL = (
     " && python -c 'import jax, sat_jax; print(\"sat_jax ready, jax\", jax.__version__)'"
 )
 APT = (
-    "sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq"
+    "sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive"
+    " apt-get -o DPkg::Lock::Timeout=600 install -y -qq"
     " python3.11 python3.11-venv && "
 )
 GIT = (
@@ -613,6 +614,7 @@ def test_bad_input_fails_clearly_without_calls(script, args, message, env):
         ("logs.sh", ["--run", "r", "--follow", "--num-slices", "2"], "follow one slice"),
         ("delete.sh", ["--", "x"], "takes no extra arguments"),
         ("setup.sh", ["--local-dir", "/nonexistent"], "is not a git checkout"),
+        ("setup.sh", ["--repo-url", "u", "--venv", "/opt/venv"], "relative to the remote home"),
     ],
 )
 def test_script_specific_errors(script, args, message, env):
