@@ -1,0 +1,51 @@
+"""sat_jax.losses: SAT and the baselines of "Stale but Stable" as pure, jittable JAX functions.
+
+Depends on jax, numpy and chex only. Every objective takes log-prob arrays (not a model), returns a
+:class:`LossOutput`, and is exact under data-parallel sharding when given ``axis_name``.
+"""
+
+from sat_jax.losses._base import AGGREGATIONS, LOG_RATIO_CLAMP, LossOutput, aggregate
+from sat_jax.losses.corrections import icepop, kpop, tis
+from sat_jax.losses.diagnostics import low_var_kl, mismatch_metrics
+from sat_jax.losses.objectives import (
+    bernoulli_kl,
+    dppo,
+    drpo,
+    gspo,
+    gspo_token,
+    hill_kernel,
+    ppo,
+    sat,
+    sat_gspo,
+    seqclip,
+    spo,
+)
+from sat_jax.losses.quantile import quantile
+from sat_jax.losses.registry import get, names, register
+
+__all__ = [
+    "AGGREGATIONS",
+    "LOG_RATIO_CLAMP",
+    "LossOutput",
+    "aggregate",
+    "bernoulli_kl",
+    "dppo",
+    "drpo",
+    "get",
+    "gspo",
+    "gspo_token",
+    "hill_kernel",
+    "icepop",
+    "kpop",
+    "low_var_kl",
+    "mismatch_metrics",
+    "names",
+    "ppo",
+    "quantile",
+    "register",
+    "sat",
+    "sat_gspo",
+    "seqclip",
+    "spo",
+    "tis",
+]

@@ -1,0 +1,273 @@
+"""Shared machinery of every loss: input checks, the ratio, global reductions, aggregation.
+
+One helper for each of these, so that a new objective is a small function and not a copy:
+
+* :func:`prepare` checks the public arguments and returns float32 arrays whose masked positions are
+  zeroed, so that ``inf``/``NaN`` padding can never reach the loss or its gradient.
+* :func:`psum` / :func:`pmax` / :func:`pmin` make a statistic global over the data-parallel axis.
+* :func:`masked_mean` and :func:`aggregate` are the only reductions over tokens.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+ArrayLike = jax.typing.ArrayLike
+
+#: Log-ratios are clamped to this magnitude before ``exp`` (SPEC: "clamped to ±20").
+LOG_RATIO_CLAMP = 20.0
+
+#: Supported aggregation modes (SPEC, "Conventions").
+AGGREGATIONS = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+
+
+class LossOutput(NamedTuple):
+    """What every objective returns.
+
+    Attributes:
+      loss: scalar float32 to minimise, ``-aggregate(surrogate)``.
+      metrics: flat mapping from name to scalar float32 diagnostic. All are global over
+        ``axis_name`` when one is given.
+    """
+
+    loss: Array
+    metrics: Mapping[str, Array]
+
+
+class Prepared(NamedTuple):
+    """Validated, float32, masked-to-zero inputs of an objective (internal)."""
+
+    logp: Array  # [B, T], differentiable, 0 where masked.
+    behavior_logp: Array  # [B, T], detached, 0 where masked.
+    advantages: Array  # [B, T], detached, 0 where masked.
+    mask: Array  # [B, T] bool.
+    weights: Array | None  # [B, T], detached, 0 where masked.
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks. Errors name the argument and say what was expected.
+# ----------------------------------------------------------------------------------------------
+
+
+def _as_array(name: str, x: Any) -> Array:
+    if x is None:
+        raise ValueError(f"`{name}` is required, got None.")
+    try:
+        return jnp.asarray(x)
+    except TypeError as e:  # e.g. a string or an object.
+        raise TypeError(f"`{name}` must be an array, got {type(x).__name__}.") from e
+
+
+def check_float(name: str, x: Any, shape: tuple[int, ...] | None = None, rank: int | None = None):
+    """Returns ``x`` as a float32 array after checking its dtype, rank and shape."""
+    x = _as_array(name, x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"`{name}` must have a floating dtype, got {x.dtype}.")
+    if rank is not None and x.ndim != rank:
+        raise ValueError(f"`{name}` must have rank {rank}, got shape {tuple(x.shape)}.")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"`{name}` must have shape {tuple(shape)}, got {tuple(x.shape)}.")
+    return x.astype(jnp.float32)
+
+
+def check_mask(mask: Any, shape: tuple[int, ...], name: str = "mask") -> Array:
+    """Returns a bool mask of ``shape``; accepts bool or 0/1 numeric masks."""
+    mask = _as_array(name, mask)
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"`{name}` must have shape {tuple(shape)}, got {tuple(mask.shape)}.")
+    if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.number)):
+        raise TypeError(f"`{name}` must be bool or 0/1 numeric, got {mask.dtype}.")
+    return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def check_logps(name: str, logp: Any, other_name: str, other: Any) -> tuple[Array, Array]:
+    """Checks a pair of ``[B, T]`` log-prob arrays of the same shape."""
+    logp = check_float(name, logp, rank=2)
+    other = check_float(other_name, other, shape=logp.shape)
+    return logp, other
+
+
+def check_hparam(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    """Range-checks a concrete Python/NumPy scalar; traced values (e.g. under vmap) pass through."""
+    if isinstance(value, jax.core.Tracer) or value is None:
+        return
+    if isinstance(value, (np.ndarray, jax.Array)):
+        if np.ndim(value) != 0:
+            return  # A stacked hyper-parameter for vmap; checked elementwise by the caller's data.
+        value = float(value)
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be a real number, got {type(value).__name__}.")
+    if not np.isfinite(value):
+        raise ValueError(f"`{name}` must be finite, got {value}.")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ValueError(f"`{name}` must be {'>' if low_open else '>='} {low}, got {value}.")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise ValueError(f"`{name}` must be {'<' if high_open else '<='} {high}, got {value}.")
+
+
+def check_aggregation(aggregation: str) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"`aggregation` must be one of {AGGREGATIONS}, got {aggregation!r}.")
+
+
+def prepare(
+    logp: ArrayLike,
+    behavior_logp: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    token_weights: ArrayLike | None = None,
+    aggregation: str = "token-mean",
+) -> Prepared:
+    """Checks the common arguments of an objective and zeroes every masked position.
+
+    ``jnp.where`` (not multiplication) is what keeps ``inf``/``NaN`` padding out: the gradient of
+    the unselected branch of a select is exactly zero, whereas ``0 * inf`` is ``NaN``.
+    """
+    check_aggregation(aggregation)
+    logp, behavior_logp = check_logps("logp", logp, "behavior_logp", behavior_logp)
+    shape = tuple(logp.shape)
+    mask = check_mask(mask, shape)
+    adv = check_float("advantages", advantages)
+    if adv.shape == shape[:1]:
+        adv = jnp.broadcast_to(adv[:, None], shape)
+    elif tuple(adv.shape) != shape:
+        raise ValueError(
+            f"`advantages` must have shape {shape[:1]} (per sequence) or {shape} (per token), "
+            f"got {tuple(adv.shape)}."
+        )
+    weights = None
+    if token_weights is not None:
+        weights = check_float("token_weights", token_weights, shape=shape)
+        weights = jnp.where(mask, jax.lax.stop_gradient(weights), 0.0)
+    return Prepared(
+        logp=jnp.where(mask, logp, 0.0),
+        behavior_logp=jnp.where(mask, jax.lax.stop_gradient(behavior_logp), 0.0),
+        advantages=jnp.where(mask, jax.lax.stop_gradient(adv), 0.0),
+        mask=mask,
+        weights=weights,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Ratios.
+# ----------------------------------------------------------------------------------------------
+
+
+def log_ratio(logp: Array, denominator: Array) -> Array:
+    """``clip(logp - denominator, -20, 20)``: the log of r in Eq. (51), safe to exponentiate."""
+    return jnp.clip(logp - denominator, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def sequence_log_ratio(token_log_ratio: Array, mask: Array) -> Array:
+    """Length-normalised sequence log-ratio ``log ρ_b = mean_t log r_bt`` of Eq. (20), ``[B]``.
+
+    A sequence with no active token gets 0 (ρ = 1).
+    """
+    m = mask.astype(jnp.float32)
+    return jnp.sum(token_log_ratio * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Global reductions over the data-parallel axis.
+# ----------------------------------------------------------------------------------------------
+
+
+def psum(x, axis_name):
+    """``lax.psum`` over ``axis_name``; the identity when it is None. Works on pytrees."""
+    return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+def pmax(x, axis_name):
+    return x if axis_name is None else jax.lax.pmax(x, axis_name)
+
+
+def pmin(x, axis_name):
+    return x if axis_name is None else jax.lax.pmin(x, axis_name)
+
+
+def masked_means(values: Mapping[str, Array], mask: Array, axis_name=None) -> dict[str, Array]:
+    """Global masked means of several ``[B, T]`` arrays with one collective.
+
+    Each mean is ``Σ m·x / max(Σ m, 1)``, so an empty mask gives 0, never NaN.
+    """
+    m = mask.astype(jnp.float32)
+    sums = {k: jnp.sum(jnp.where(mask, v, 0.0)) for k, v in values.items()}
+    sums, count = psum((sums, jnp.sum(m)), axis_name)
+    count = jnp.maximum(count, 1.0)
+    return {k: s / count for k, s in sums.items()}
+
+
+def masked_mean(x: Array, mask: Array, axis_name=None) -> Array:
+    return masked_means({"x": x}, mask, axis_name)["x"]
+
+
+def aggregate(
+    values: ArrayLike,
+    mask: ArrayLike,
+    mode: str = "token-mean",
+    axis_name: Any = None,
+) -> Array:
+    """Reduces per-token values ``[B, T]`` to a scalar, globally over ``axis_name``.
+
+    Modes (SPEC, "Conventions"), with m the active-token mask:
+
+    * ``token-mean``: ``Σ m·x / Σ m`` over the whole batch.
+    * ``seq-mean-token-mean``: mean over sequences with an active token of ``Σ_t m·x / Σ_t m``.
+    * ``seq-mean-token-sum``: mean over sequences with an active token of ``Σ_t m·x``.
+    * ``seq-mean-token-sum-norm`` (Dr.GRPO): ``Σ m·x / (B · T)``, B the global number of sequences
+      and T the padded length.
+
+    Empty masks give 0. Positions where ``mask`` is off never reach the result or its gradient.
+    """
+    check_aggregation(mode)
+    values = check_float("values", values, rank=2)
+    mask = check_mask(mask, values.shape)
+    x = jnp.where(mask, values, 0.0)
+    m = mask.astype(jnp.float32)
+    if mode == "token-mean":
+        num, den = jnp.sum(x), jnp.sum(m)
+    elif mode == "seq-mean-token-sum-norm":
+        num, den = jnp.sum(x), jnp.float32(x.shape[0] * x.shape[1])
+    else:
+        seq_count = jnp.sum(m, axis=1)
+        seq_sum = jnp.sum(x, axis=1)
+        if mode == "seq-mean-token-mean":
+            seq_sum = seq_sum / jnp.maximum(seq_count, 1.0)
+        num, den = jnp.sum(seq_sum), jnp.sum((seq_count > 0).astype(jnp.float32))
+    num, den = psum((num, den), axis_name)
+    return num / jnp.maximum(den, 1.0)
+
+
+def finish(
+    surrogate: Array,
+    prep: Prepared,
+    metrics: dict[str, Array],
+    aggregation: str,
+    axis_name: Any,
+) -> LossOutput:
+    """Applies the detached token weights, aggregates and negates: ``loss = -agg(w·S)``."""
+    if prep.weights is not None:
+        surrogate = surrogate * prep.weights
+    loss = -aggregate(surrogate, prep.mask, aggregation, axis_name)
+    metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+    return LossOutput(loss=loss, metrics=metrics)

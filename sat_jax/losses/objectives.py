@@ -1,0 +1,543 @@
+"""Policy objectives: SAT (Eqs. 13–20) and the baselines of the paper's Appendix E.
+
+Every objective has the signature
+
+    NAME(logp, behavior_logp, advantages, mask, *, <hyper-parameters>,
+         aggregation="token-mean", token_weights=None, axis_name=None) -> LossOutput
+
+* ``logp`` ``[B, T]``: log π_θ of the sampled tokens; the only differentiable input.
+* ``behavior_logp`` ``[B, T]``: the ratio denominator, log μ (Eq. 51), detached.
+* ``advantages`` ``[B]`` (broadcast over the response) or ``[B, T]``, detached.
+* ``mask`` ``[B, T]``: active response tokens T_act (bool or 0/1).
+* ``token_weights`` ``[B, T]``: detached per-token weights (e.g. from :func:`tis`) applied to S.
+* ``axis_name``: the ``shard_map``/``pmap`` axis; every batch statistic (means, counts, SAT's
+  quantile) is then global, so the result equals the unsharded result on the whole batch.
+
+The surrogate S is maximised; ``loss = −aggregate(w·S)``. Inputs are computed in float32; masked
+positions may hold anything (``inf``, ``NaN``) without reaching the loss or its gradient.
+
+Under ``shard_map`` the loss is replicated and ``jax.grad`` gives each shard the exact gradient of
+the global loss. Under ``pmap``, JAX transposes ``psum`` to ``psum``, so per-device gradients of a
+global loss carry a factor of the device count: take ``lax.pmean`` of gradients over the axis, as
+usual.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from sat_jax.losses import _base
+from sat_jax.losses.diagnostics import _mismatch_from_log_ratio
+from sat_jax.losses.quantile import quantile
+
+Kernel = Callable[[jax.Array, jax.Array], jax.Array]
+_ONE = 1.0  # c± when SAT's gate is off; the radii are then ε·1 = ε exactly.
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared pieces.
+# ----------------------------------------------------------------------------------------------
+
+
+def hill_kernel(u: jax.Array, q: jax.Array, exponent: float = 2.0) -> jax.Array:
+    """Hill kernel ψ(u; q) = 1 / (1 + (u/q)^p) of Eq. (15): ψ(0)=1, ψ(q)=½, decreasing in u."""
+    return 1.0 / (1.0 + jnp.power(u / q, exponent))
+
+
+def _check_clip(eps_low, eps_high, dual_clip=None):
+    # ε_low < 1 keeps the lower edge 1 − ε_low positive.
+    _base.check_hparam("eps_low", eps_low, low=0.0, high=1.0, high_open=True)
+    _base.check_hparam("eps_high", eps_high, low=0.0)
+    if dual_clip is not None:
+        _base.check_hparam("dual_clip", dual_clip, low=1.0, low_open=True)
+
+
+def _check_sat(alpha, hill_exponent, kernel):
+    if not isinstance(alpha, (int, float)):
+        raise TypeError(f"`alpha` must be a Python float (it fixes a rank), got {alpha!r}.")
+    _base.check_hparam("alpha", alpha, low=0.0, high=1.0, low_open=True)
+    _base.check_hparam("hill_exponent", hill_exponent, low=0.0, low_open=True)
+    if kernel is not None and not callable(kernel):
+        raise TypeError(f"`kernel` must be a callable ψ(u, q), got {type(kernel).__name__}.")
+
+
+def _clip_surrogate(ratio, adv, lo, hi, dual_clip):
+    """S = min(r·A, clip(r, lo, hi)·A); optional dual clip S = max(S, c·A) for A < 0 (Eq. 11)."""
+    s = jnp.minimum(ratio * adv, jnp.clip(ratio, lo, hi) * adv)
+    if dual_clip is not None:
+        s = jnp.where(adv < 0, jnp.maximum(s, dual_clip * adv), s)
+    return s
+
+
+def _clip_indicators(ratio, adv, lo, hi, dual_clip) -> dict[str, jax.Array]:
+    """Per-token indicators of the clipped (zero-gradient) branches, for clip fractions."""
+    ratio = jax.lax.stop_gradient(ratio)
+    upper = (adv > 0) & (ratio > hi)
+    lower = (adv < 0) & (ratio < lo)
+    out = {"clip_frac_upper": upper, "clip_frac_lower": lower, "clip_frac": upper | lower}
+    if dual_clip is not None:
+        out["dual_clip_frac"] = (adv < 0) & (ratio > dual_clip)
+    return out
+
+
+def _sat_contraction(d, mask, alpha, hill_exponent, kernel, axis_name, quantile_method):
+    """q (Eq. 14), the gate and the contraction factors c± (Eqs. 15–16) from a detached score d."""
+    d = jax.lax.stop_gradient(d)
+    a = jnp.abs(d)
+    q = quantile(a, mask, alpha, axis_name=axis_name, method=quantile_method)
+    gated = mask & (q > 0) & (a > q)
+    q_safe = jnp.where(q > 0, q, 1.0)  # the q > 0 branch of Eq. (16): never divide by zero
+    psi = kernel if kernel is not None else functools.partial(hill_kernel, exponent=hill_exponent)
+    # Sign split: only the side that moves r farther from 1 contracts; the other stays ε exactly.
+    c_plus = jnp.where(gated & (d > 0), psi(jnp.maximum(d, 0.0), q_safe), _ONE)
+    c_minus = jnp.where(gated & (d < 0), psi(jnp.maximum(-d, 0.0), q_safe), _ONE)
+    return q, gated, c_minus, c_plus
+
+
+def _clip_objective(
+    prep: _base.Prepared,
+    clip_log_ratio: jax.Array,
+    *,
+    eps_low,
+    eps_high,
+    dual_clip,
+    aggregation,
+    axis_name,
+    sat=None,
+    keep=None,
+    extra_metrics=None,
+) -> _base.LossOutput:
+    """Every clipped objective in one place: PPO/GRPO, GSPO(-token), SeqClip, DPPO and SAT.
+
+    Args:
+      clip_log_ratio: log of the clipped quantity (token ratio or broadcast sequence ratio).
+      sat: None, or (alpha, hill_exponent, kernel, quantile_method) to contract the radii.
+      keep: optional detached ``[B, T]`` bool; S is zeroed where it is False (SeqClip, DPPO).
+    """
+    adv, mask = prep.advantages, prep.mask
+    token_lr = _base.log_ratio(prep.logp, prep.behavior_logp)
+    metrics = _mismatch_from_log_ratio(token_lr, mask, axis_name)
+    c_minus = c_plus = jnp.float32(_ONE)
+    if sat is not None:
+        alpha, hill_exponent, kernel, quantile_method = sat
+        q, gated, c_minus, c_plus = _sat_contraction(
+            clip_log_ratio, mask, alpha, hill_exponent, kernel, axis_name, quantile_method
+        )
+    ratio = jnp.exp(clip_log_ratio)
+    lo = 1.0 - eps_low * c_minus
+    hi = 1.0 + eps_high * c_plus
+    surrogate = _clip_surrogate(ratio, adv, lo, hi, dual_clip)
+    indicators = _clip_indicators(ratio, adv, lo, hi, dual_clip)
+    if keep is not None:
+        surrogate = jnp.where(keep, surrogate, 0.0)
+    means = {k: v.astype(jnp.float32) for k, v in indicators.items()}
+    means["ratio_mean"] = jax.lax.stop_gradient(ratio)
+    if sat is not None:
+        r = jax.lax.stop_gradient(ratio)
+        # Where SAT's gradient differs from PPO's: the newly clipped outward band of Eq. (21).
+        binding = ((adv > 0) & (r > hi) & (r < 1.0 + eps_high)) | (
+            (adv < 0) & (r < lo) & (r > 1.0 - eps_low)
+        )
+        means.update(
+            {
+                "sat/eps_low_mean": eps_low * c_minus,
+                "sat/eps_high_mean": eps_high * c_plus,
+                "sat/gate_rate": gated.astype(jnp.float32),
+                "sat/binding_rate": binding.astype(jnp.float32),
+            }
+        )
+        c_min = jnp.min(jnp.where(mask, jnp.minimum(c_minus, c_plus), 1.0))
+        metrics["sat/c_min"] = _base.pmin(c_min, axis_name)
+        metrics["sat/q"] = q
+    for name, value in (extra_metrics or {}).items():
+        means[name] = value
+    metrics.update(_base.masked_means(means, mask, axis_name))
+    return _base.finish(surrogate, prep, metrics, aggregation, axis_name)
+
+
+def _sequence_log_ratio(prep: _base.Prepared) -> jax.Array:
+    """log ρ_b of Eq. (20) broadcast to ``[B, T]`` (differentiable)."""
+    seq = _base.sequence_log_ratio(_base.log_ratio(prep.logp, prep.behavior_logp), prep.mask)
+    return jnp.broadcast_to(seq[:, None], prep.logp.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Token-ratio objectives.
+# ----------------------------------------------------------------------------------------------
+
+
+def ppo(
+    logp,
+    behavior_logp,
+    advantages,
+    mask,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    aggregation: str = "token-mean",
+    token_weights=None,
+    axis_name=None,
+) -> _base.LossOutput:
+    """PPO / GRPO token-level clipped surrogate (Eq. 11).
+
+        r = exp(logp − behavior_logp),  S = min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A)
+
+    With ``dual_clip=c`` (> 1), negative-advantage tokens are also bounded below, S = max(S, c·A)
+    for A < 0 (Ye et al. 2020), the one baseline that bounds large ratios on negative advantages.
+    Defaults ε = 0.2/0.2 as in the paper; DAPO's clip-higher is 0.2/0.28.
+
+    Metrics: mismatch (d̄_π), k1, k3, log_ratio_var, mismatch_max, clip_frac(_upper/_lower),
+    ratio_mean (and dual_clip_frac).
+
+    Example:
+      >>> out = ppo(jnp.log(jnp.array([[1.5]])), jnp.zeros((1, 1)), jnp.array([1.0]),
+      ...           jnp.array([[True]]))
+      >>> float(out.loss)  # −min(1.5·1, 1.2·1)
+      -1.2000000476837158
+    """
+    _check_clip(eps_low, eps_high, dual_clip)
+    prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    return _clip_objective(
+        prep,
+        _base.log_ratio(prep.logp, prep.behavior_logp),
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=dual_clip,
+        aggregation=aggregation,
+        axis_name=axis_name,
+    )
+
+
+def sat(
+    logp,
+    behavior_logp,
+    advantages,
+    mask,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    alpha: float = 0.9,
+    hill_exponent: float = 2.0,
+    kernel: Kernel | None = None,
+    dual_clip: float | None = None,
+    quantile_method: str = "auto",
+    aggregation: str = "token-mean",
+    token_weights=None,
+    axis_name=None,
+) -> _base.LossOutput:
+    """SAT-GRPO: the staleness-adaptive trust region on the token ratio (Eqs. 13–19).
+
+        d = sg(log r)                                        (13)
+        q = ⌈α·n⌉-th smallest |d| over active tokens, sg     (14)
+        c± = ψ(u±; q) if q > 0 and |d| > q else 1,  u± = max(±d, 0),  ψ(u; q) = 1/(1 + (u/q)^p)
+        S = min(r·A, clip(r, 1 − ε_low·c−, 1 + ε_high·c+)·A)          (17)–(19)
+
+    Only the top (1 − α) share of tokens by mismatch is gated, and only on the side that moves r
+    away from 1, so pull-back gradients are PPO's. With the gate off (c± = 1, e.g. ``alpha=1``) the
+    result is bit-identical to :func:`ppo`. Proposition 4.1: the SAT interval lies inside PPO's,
+    S_SAT ≤ S_PPO, and gradients differ exactly on the newly clipped outward band (Eq. 21).
+
+    Operating range: a gated token already has r outside [e^−q, e^q]. Once q ≥ log(1 + ε_high)
+    (q ≥ −log(1 − ε_low) for the lower side) the contraction cannot bind and SAT's gradient equals
+    PPO's; watch ``sat/binding_rate`` and ``sat/q`` next to ``mismatch``.
+
+    Args:
+      alpha: quantile level of Eq. (14), a Python float in (0, 1] (paper: 0.9).
+      hill_exponent: p of the Hill kernel (paper: 2).
+      kernel: optional ψ(u, q) replacing the Hill kernel; any monotone ψ with ψ(0)=1, ψ(q)=½.
+      dual_clip: optional dual-clip constant, as in :func:`ppo`.
+      quantile_method: ``"auto"``, ``"radix"`` or ``"bisect"`` (see :func:`quantile`).
+
+    Metrics: those of :func:`ppo` plus Table 10's ``sat/eps_low_mean``, ``sat/eps_high_mean``,
+    ``sat/gate_rate``, ``sat/c_min``, ``sat/q``, and ``sat/binding_rate``: the share of active
+    tokens whose gradient SAT changes relative to PPO.
+    """
+    _check_clip(eps_low, eps_high, dual_clip)
+    _check_sat(alpha, hill_exponent, kernel)
+    prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    return _clip_objective(
+        prep,
+        _base.log_ratio(prep.logp, prep.behavior_logp),
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=dual_clip,
+        aggregation=aggregation,
+        axis_name=axis_name,
+        sat=(float(alpha), hill_exponent, kernel, quantile_method),
+    )
+
+
+def dppo(
+    logp,
+    behavior_logp,
+    advantages,
+    mask,
+    *,
+    delta: float | None = None,
+    divergence: str = "tv",
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    aggregation: str = "token-mean",
+    token_weights=None,
+    axis_name=None,
+) -> _base.LossOutput:
+    """DPPO: the PPO term, zeroed on outward moves whose sampled divergence exceeds δ (Eq. 47).
+
+        outward = sign(A·(r − 1)) > 0
+        TV:  D = μ·|r − 1| = |π − μ| of the sampled token (Eq. 45)
+        KL:  D = Bernoulli KL(μ‖π) of the sampled token's probability
+        S = 1[¬(outward ∧ D > δ)] · min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A)
+
+    Args:
+      delta: threshold δ; None means the paper's 1e-3 for ``"tv"`` and verl's 0.05 for ``"kl"``.
+      divergence: ``"tv"`` (the paper's DPPO-DTV) or ``"kl"``.
+
+    Metrics: those of :func:`ppo` plus ``dppo/masked_frac``, the share of active tokens zeroed.
+    """
+    if divergence not in ("tv", "kl"):
+        raise ValueError(f"`divergence` must be 'tv' or 'kl', got {divergence!r}.")
+    if delta is None:
+        delta = 1e-3 if divergence == "tv" else 0.05
+    _base.check_hparam("delta", delta, low=0.0, low_open=True)
+    _check_clip(eps_low, eps_high)
+    prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    lr = _base.log_ratio(prep.logp, prep.behavior_logp)
+    r = jnp.exp(jax.lax.stop_gradient(lr))
+    outward = prep.advantages * (r - 1.0) > 0
+    if divergence == "tv":
+        disc = jnp.exp(prep.behavior_logp) * jnp.abs(r - 1.0)
+    else:
+        disc = bernoulli_kl(prep.behavior_logp, jax.lax.stop_gradient(prep.logp))
+    dropped = prep.mask & outward & (disc > delta)
+    return _clip_objective(
+        prep,
+        lr,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=None,
+        aggregation=aggregation,
+        axis_name=axis_name,
+        keep=~dropped,
+        extra_metrics={"dppo/masked_frac": dropped.astype(jnp.float32)},
+    )
+
+
+def bernoulli_kl(log_p: jax.Array, log_q: jax.Array) -> jax.Array:
+    """KL(Bern(p)‖Bern(q)) = p·log(p/q) + (1−p)·log((1−p)/(1−q)) from log-probabilities (Eq. 43).
+
+    Computed with log1p(−e^x) for the complements; +inf where q = 1 ≠ p (never NaN).
+    """
+    p = jnp.exp(log_p)
+    log1m_p = jnp.log1p(-jnp.minimum(p, 1.0))
+    log1m_q = jnp.log1p(-jnp.minimum(jnp.exp(log_q), 1.0))
+    comp = jnp.where(p < 1.0, (1.0 - p) * (log1m_p - log1m_q), 0.0)
+    return p * (log_p - log_q) + comp
+
+
+def _quadratic(prep, weight, aggregation, axis_name) -> _base.LossOutput:
+    """S = r·A − |A|·weight·(r − 1)² (SPO with weight 1/(2ε), DRPO with μ/(2δ))."""
+    lr = _base.log_ratio(prep.logp, prep.behavior_logp)
+    r = jnp.exp(lr)
+    adv = prep.advantages
+    surrogate = r * adv - jnp.abs(adv) * weight * jnp.square(r - 1.0)
+    metrics = _mismatch_from_log_ratio(lr, prep.mask, axis_name)
+    metrics.update(
+        _base.masked_means({"ratio_mean": jax.lax.stop_gradient(r)}, prep.mask, axis_name)
+    )
+    return _base.finish(surrogate, prep, metrics, aggregation, axis_name)
+
+
+def spo(
+    logp,
+    behavior_logp,
+    advantages,
+    mask,
+    *,
+    eps: float = 0.2,
+    aggregation: str = "token-mean",
+    token_weights=None,
+    axis_name=None,
+) -> _base.LossOutput:
+    """SPO: clipping replaced by a quadratic penalty (Eq. 48).
+
+        S = r·A − |A|/(2ε)·(r − 1)²,   stationary at r* = 1 + sign(A)·ε (PPO's edge).
+    """
+    _base.check_hparam("eps", eps, low=0.0, low_open=True)
+    prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    return _quadratic(prep, 1.0 / (2.0 * eps), aggregation, axis_name)
+
+
+def drpo(
+    logp,
+    behavior_logp,
+    advantages,
+    mask,
+    *,
+    delta: float = 1e-3,
+    aggregation: str = "token-mean",
+    token_weights=None,
+    axis_name=None,
+) -> _base.LossOutput:
+    """DRPO: SPO's penalty in DPPO's sampled-TV geometry (Eq. 49).
+
+        S = r·A − |A|/(2δ)·μ·(r − 1)²,   μ = exp(behavior_logp).
+    """
+    _base.check_hparam("delta", delta, low=0.0, low_open=True)
+    prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    weight = jnp.exp(prep.behavior_logp) / (2.0 * delta)
+    return _quadratic(prep, weight, aggregation, axis_name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sequence-ratio objectives.
+# ----------------------------------------------------------------------------------------------
+
+
+def gspo(
+    logp,
+    behavior_logp,
+    advantages,
+    mask,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    aggregation: str = "token-mean",
+    token_weights=None,
+    axis_name=None,
+) -> _base.LossOutput:
+    """GSPO: the clipped surrogate on the length-normalised sequence ratio (Eqs. 20, 37–38).
+
+        ρ_b = exp(mean_t log r_bt),  S_bt = min(ρ_b·A, clip(ρ_b, 1 − ε_low, 1 + ε_high)·A)
+
+    ρ_b is broadcast to the response's active tokens. Defaults are the GSPO paper's 3e-4/4e-4; the
+    SAT paper ran 0.2/0.2. ``mismatch`` metrics use token ratios (Eq. 52), as for every method.
+    """
+    _check_clip(eps_low, eps_high)
+    prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    return _clip_objective(
+        prep,
+        _sequence_log_ratio(prep),
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=None,
+        aggregation=aggregation,
+        axis_name=axis_name,
+    )
+
+
+def gspo_token(
+    logp,
+    behavior_logp,
+    advantages,
+    mask,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    aggregation: str = "token-mean",
+    token_weights=None,
+    axis_name=None,
+) -> _base.LossOutput:
+    """GSPO-token: GSPO's value with per-token gradients (GSPO paper, Eq. 13 there).
+
+        log s_bt = sg(log ρ_b) + logp_t − sg(logp_t)
+
+    Numerically s_bt = ρ_b, but ∂s_bt/∂logp_t = ρ_b, so per-token advantages ``[B, T]`` act on
+    their own token. With sequence advantages its gradient equals :func:`gspo`'s times T_b.
+    """
+    _check_clip(eps_low, eps_high)
+    prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    seq = jax.lax.stop_gradient(_sequence_log_ratio(prep))
+    clip_lr = seq + prep.logp - jax.lax.stop_gradient(prep.logp)
+    return _clip_objective(
+        prep,
+        clip_lr,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=None,
+        aggregation=aggregation,
+        axis_name=axis_name,
+    )
+
+
+def sat_gspo(
+    logp,
+    behavior_logp,
+    advantages,
+    mask,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    alpha: float = 0.9,
+    hill_exponent: float = 2.0,
+    kernel: Kernel | None = None,
+    quantile_method: str = "auto",
+    aggregation: str = "token-mean",
+    token_weights=None,
+    axis_name=None,
+) -> _base.LossOutput:
+    """SAT-GSPO: SAT's radii on the sequence ratio (Eq. 20 with Eqs. 13–19).
+
+    The clipped quantity and the staleness score are both ρ_b (d = sg(log ρ_b)), broadcast to the
+    response's active tokens; the quantile is over active tokens, so long responses weigh more.
+    With the gate off it is bit-identical to :func:`gspo` at the same ε. Defaults are the paper's
+    (ε = 0.2/0.2, α = 0.9, Hill p = 2). Metrics as :func:`sat`.
+    """
+    _check_clip(eps_low, eps_high)
+    _check_sat(alpha, hill_exponent, kernel)
+    prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    return _clip_objective(
+        prep,
+        _sequence_log_ratio(prep),
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=None,
+        aggregation=aggregation,
+        axis_name=axis_name,
+        sat=(float(alpha), hill_exponent, kernel, quantile_method),
+    )
+
+
+def seqclip(
+    logp,
+    behavior_logp,
+    advantages,
+    mask,
+    *,
+    low: float = 0.995,
+    high: float = 1.005,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    aggregation: str = "token-mean",
+    token_weights=None,
+    axis_name=None,
+) -> _base.LossOutput:
+    """SeqClip: GSPO with a hard response-level gate (Eq. 39).
+
+        S_bt = 1[low ≤ ρ_b ≤ high] · min(ρ_b·A, clip(ρ_b, 1 − ε_low, 1 + ε_high)·A)
+
+    Responses whose sequence ratio leaves [low, high] are dropped whole. ε defaults follow
+    :func:`gspo`. Metrics add ``seqclip/kept_frac`` (share of active tokens kept).
+    """
+    _base.check_hparam("low", low, low=0.0, low_open=True)
+    _base.check_hparam("high", high, low=low if isinstance(low, (int, float)) else None)
+    _check_clip(eps_low, eps_high)
+    prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    seq = _sequence_log_ratio(prep)
+    rho = jnp.exp(jax.lax.stop_gradient(seq))
+    keep = (rho >= low) & (rho <= high)
+    return _clip_objective(
+        prep,
+        seq,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=None,
+        aggregation=aggregation,
+        axis_name=axis_name,
+        keep=keep,
+        extra_metrics={"seqclip/kept_frac": keep.astype(jnp.float32)},
+    )
