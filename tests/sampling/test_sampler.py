@@ -144,7 +144,8 @@ def test_parameter_swap_between_chunks(params, sampler32, score):
 def test_one_compile_per_shape(params, sampler32):
     _, p = params
     p2 = jax.tree.map(lambda x: x + 0.01, p)
-    for i, (pp, sp) in enumerate([(p, SamplingParams()), (p2, TRUNCATED), (p, SamplingParams(2.0))]):
+    calls = [(p, SamplingParams()), (p2, TRUNCATED), (p, SamplingParams(2.0))]
+    for i, (pp, sp) in enumerate(calls):
         sampler32.generate(pp, PROMPTS[:, : 4 + i % 3], np.minimum(LENGTHS, 4), jax.random.key(i),
                            sp, version=i)
     assert sampler32._prefill._cache_size() == 1
