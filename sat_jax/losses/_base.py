@@ -244,16 +244,28 @@ def aggregate(
     mask = check_mask(mask, values.shape)
     x = jnp.where(mask, values, 0.0)
     m = mask.astype(jnp.float32)
+    seq_count = jnp.sum(m, axis=1)
     if mode == "token-mean":
-        num, den = jnp.sum(x), jnp.sum(m)
+        den = jnp.sum(seq_count)
     elif mode == "seq-mean-token-sum-norm":
-        num, den = jnp.sum(x), jnp.float32(x.shape[0] * x.shape[1])
+        den = jnp.float32(x.shape[0] * x.shape[1])
     else:
-        seq_count = jnp.sum(m, axis=1)
+        den = jnp.sum((seq_count > 0).astype(jnp.float32))
+
+    def numerator(x, seq_count):
+        if mode in ("token-mean", "seq-mean-token-sum-norm"):
+            return jnp.sum(x)
         seq_sum = jnp.sum(x, axis=1)
         if mode == "seq-mean-token-mean":
             seq_sum = seq_sum / jnp.maximum(seq_count, 1.0)
-        num, den = jnp.sum(seq_sum), jnp.sum((seq_count > 0).astype(jnp.float32))
+        return jnp.sum(seq_sum)
+
+    # XLA picks a reduction's summation order per fused computation, so the same values summed
+    # inside two different programs can differ in the last bit. Summing inside a conditional (its
+    # predicate is always true but only known at run time) gives the reduction a computation of
+    # its own over a materialised array: SAT with the gate off then equals the base objective bit
+    # for bit, as SPEC requires, at the cost of one extra pass over [B, T].
+    num = jax.lax.cond(den >= 0, numerator, numerator, x, seq_count)
     num, den = psum((num, den), axis_name)
     return num / jnp.maximum(den, 1.0)
 
