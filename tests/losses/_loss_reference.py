@@ -1,8 +1,8 @@
 """An independent NumPy (float64) reference for every objective, written from SPEC.md's formulas.
 
-Detached quantities (SAT's q and c±, GSPO-token's sg(log ρ), SeqClip's and DPPO's masks) are computed
-from ``frozen`` (the unperturbed logp), so central finite differences of ``loss`` in ``logp`` give
-the gradient that the JAX functions compute with stop-gradients.
+Detached quantities (SAT's q and c±, GSPO-token's sg(log ρ), SeqClip's and DPPO's masks) are
+computed from ``frozen`` (the unperturbed logp), so central finite differences of ``loss`` in
+``logp`` give the gradient that the JAX functions compute with stop-gradients.
 """
 
 from __future__ import annotations

@@ -45,14 +45,17 @@ def _inputs(seed, per_token_adv):
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 def test_matches_numpy_reference(name, hp, aggregation):
     fn = losses.get(name)
+
+    def loss_fn(lp, beh, adv, mask):
+        return fn(lp, beh, adv, mask, aggregation=aggregation, **hp).loss
+
+    value_and_grad = jax.jit(jax.value_and_grad(loss_fn))
     for seed, per_token in ((0, False), (1, True)):
         logp, beh, adv, mask = _inputs(seed, per_token)
         clean = np.where(mask, logp, 0.0)
-        loss_fn = jax.jit(lambda lp, a=adv: fn(lp, beh, a, mask, aggregation=aggregation, **hp).loss)
-        got = loss_fn(logp)
+        got, got_g = value_and_grad(logp, beh, adv, mask)
         want = ref.loss(name, clean, beh, adv, mask, aggregation=aggregation, **hp)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
-        got_g = jax.jit(jax.grad(loss_fn))(logp)
         want_g = ref.grad(name, clean, beh, adv, mask, aggregation=aggregation, **hp)
         np.testing.assert_allclose(got_g, want_g, rtol=2e-4, atol=2e-6)
         assert np.all(np.isfinite(got_g))
