@@ -1,7 +1,16 @@
-"""Flax NNX MoE decoder (Qwen3-MoE shape) with routing capture and replay (R3, Eq. 40), and the
-trainer-side log-prob path with support replay (Eq. 50)."""
+"""Flax NNX MoE decoder (Qwen3-MoE shape) with routing capture and replay (R3, Eq. 40), the
+trainer-side log-prob path with support replay (Eq. 50), Hugging Face checkpoint loading/saving and
+mesh sharding rules."""
 
 from sat_jax.models.config import ModelConfig
+from sat_jax.models.hf import (
+    config_from_hf,
+    config_to_hf,
+    hf_tensor_shapes,
+    load_hf,
+    param_path,
+    save_hf,
+)
 from sat_jax.models.layers import (
     LayerCache,
     RMSNorm,
@@ -11,6 +20,7 @@ from sat_jax.models.layers import (
     select_experts,
 )
 from sat_jax.models.logprobs import apply_support_cutoff, scale_logits, token_logprobs
+from sat_jax.models.sharding import sharding_rules
 from sat_jax.models.transformer import (
     ForwardOutput,
     Transformer,
@@ -28,15 +38,22 @@ __all__ = [
     "RMSNorm",
     "Transformer",
     "apply_support_cutoff",
+    "config_from_hf",
+    "config_to_hf",
     "graphdef_for",
+    "hf_tensor_shapes",
     "init_cache",
     "init_model",
     "load_balancing_loss",
+    "load_hf",
     "param_count",
+    "param_path",
     "positions_from_mask",
     "rotary",
     "routing_gates",
+    "save_hf",
     "scale_logits",
     "select_experts",
+    "sharding_rules",
     "token_logprobs",
 ]
