@@ -240,6 +240,8 @@ class Checkpointer:
 
     def _walk(self, step: int | None, attempt: Callable[[int], Any]) -> Any:
         """Runs ``attempt`` on ``step`` or on each step newest first until one succeeds."""
+        # An asynchronous save still in flight would otherwise be invisible or half-written.
+        self._manager.wait_until_finished()
         if step is None:
             candidates = sorted(self._manager.all_steps(), reverse=True)
             if not candidates:
