@@ -45,7 +45,11 @@ _ONE = 1.0  # c± when SAT's gate is off; the radii are then ε·1 = ε exactly.
 
 def hill_kernel(u: jax.Array, q: jax.Array, exponent: float = 2.0) -> jax.Array:
     """Hill kernel ψ(u; q) = 1 / (1 + (u/q)^p) of Eq. (15): ψ(0)=1, ψ(q)=½, decreasing in u."""
-    return 1.0 / (1.0 + jnp.power(u / q, exponent))
+    x = u / q
+    if isinstance(exponent, int) or (isinstance(exponent, float) and exponent.is_integer()):
+        # Integer p (the paper's p = 2) is a few multiplies, not exp(p·log x).
+        return 1.0 / (1.0 + jax.lax.integer_pow(x, int(exponent)))
+    return 1.0 / (1.0 + jnp.power(x, exponent))
 
 
 def _check_clip(eps_low, eps_high, dual_clip=None):
@@ -92,9 +96,11 @@ def _sat_contraction(d, mask, alpha, hill_exponent, kernel, axis_name, quantile_
     gated = mask & (q > 0) & (a > q)
     q_safe = jnp.where(q > 0, q, 1.0)  # the q > 0 branch of Eq. (16): never divide by zero
     psi = kernel if kernel is not None else functools.partial(hill_kernel, exponent=hill_exponent)
-    # Sign split: only the side that moves r farther from 1 contracts; the other stays ε exactly.
-    c_plus = jnp.where(gated & (d > 0), psi(jnp.maximum(d, 0.0), q_safe), _ONE)
-    c_minus = jnp.where(gated & (d < 0), psi(jnp.maximum(-d, 0.0), q_safe), _ONE)
+    # Sign split: u± = max(±d, 0), so a gated token's u on its own side is |d|; only that side
+    # contracts and the other keeps ε exactly (ψ is evaluated once per token).
+    c = psi(a, q_safe)
+    c_plus = jnp.where(gated & (d > 0), c, _ONE)
+    c_minus = jnp.where(gated & (d < 0), c, _ONE)
     return q, gated, c_minus, c_plus
 
 

@@ -76,16 +76,21 @@ def _select_bucket(hist: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]
     return bucket, k - below
 
 
-def _radix_select(key, active, k, axis_name):
+def _radix_select(key, active, alpha, axis_name):
     high, low = key >> _HALF, key & jnp.uint32(_BUCKETS - 1)
     hist = _base.psum(_histogram(high, active), axis_name)
+    n = jnp.sum(hist)  # the count comes free with the histogram: no extra pass over the tokens
+    k = _rank(alpha, n)
     high_bucket, k_in = _select_bucket(hist, k)
     hist = _base.psum(_histogram(low, active & (high == high_bucket.astype(jnp.uint32))), axis_name)
     low_bucket, _ = _select_bucket(hist, k_in)
-    return (high_bucket.astype(jnp.uint32) << _HALF) | low_bucket.astype(jnp.uint32)
+    return (high_bucket.astype(jnp.uint32) << _HALF) | low_bucket.astype(jnp.uint32), n
 
 
-def _bisect_select(key, active, k, axis_name):
+def _bisect_select(key, active, alpha, axis_name):
+    n = _base.psum(jnp.sum(active.astype(jnp.int32)), axis_name)
+    k = _rank(alpha, n)
+
     # Invariant: count(key <= hi) >= k, and (lo == 0 or count(key <= lo - 1) < k).
     def body(_, bounds):
         lo, hi = bounds
@@ -95,7 +100,7 @@ def _bisect_select(key, active, k, axis_name):
         return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
     lo, _ = jax.lax.fori_loop(0, 32, body, (jnp.uint32(0), jnp.uint32(0xFFFFFFFF)))
-    return lo
+    return lo, n
 
 
 def quantile(
@@ -132,10 +137,7 @@ def quantile(
     mask = _base.check_mask(mask, x.shape)
     if method == "auto":
         method = "bisect" if jax.default_backend() == "tpu" else "radix"
-    x = jax.lax.stop_gradient(x)
-    n = _base.psum(jnp.sum(mask.astype(jnp.int32)), axis_name)
-    k = _rank(float(alpha), n)
-    key = _sortable_key(x)
+    key = _sortable_key(jax.lax.stop_gradient(x))
     select = _radix_select if method == "radix" else _bisect_select
-    value = _key_to_float(select(key, mask, k, axis_name))
-    return jnp.where(n > 0, value, 0.0)
+    key, n = select(key, mask, float(alpha), axis_name)
+    return jnp.where(n > 0, _key_to_float(key), 0.0)
