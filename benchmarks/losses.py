@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time

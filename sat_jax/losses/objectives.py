@@ -88,11 +88,16 @@ def _clip_indicators(ratio, adv, lo, hi, dual_clip) -> dict[str, jax.Array]:
     return out
 
 
-def _sat_contraction(d, mask, alpha, hill_exponent, kernel, axis_name, quantile_method):
-    """q (Eq. 14), the gate and the contraction factors c± (Eqs. 15–16) from a detached score d."""
+def _sat_contraction(
+    d, mask, alpha, hill_exponent, kernel, axis_name, quantile_method, weights=None
+):
+    """q (Eq. 14), the gate and the contraction factors c± (Eqs. 15–16) from a detached score d.
+
+    ``weights`` (integer multiplicities) lets a per-sequence score count once per active token.
+    """
     d = jax.lax.stop_gradient(d)
     a = jnp.abs(d)
-    q = quantile(a, mask, alpha, axis_name=axis_name, method=quantile_method)
+    q = quantile(a, mask, alpha, weights=weights, axis_name=axis_name, method=quantile_method)
     gated = mask & (q > 0) & (a > q)
     q_safe = jnp.where(q > 0, q, 1.0)  # the q > 0 branch of Eq. (16): never divide by zero
     psi = kernel if kernel is not None else functools.partial(hill_kernel, exponent=hill_exponent)
@@ -113,7 +118,7 @@ def _clip_objective(
     dual_clip,
     aggregation,
     axis_name,
-    sat=None,
+    contraction=None,
     keep=None,
     extra_metrics=None,
 ) -> _base.LossOutput:
@@ -121,18 +126,17 @@ def _clip_objective(
 
     Args:
       clip_log_ratio: log of the clipped quantity (token ratio or broadcast sequence ratio).
-      sat: None, or (alpha, hill_exponent, kernel, quantile_method) to contract the radii.
+      contraction: None, or SAT's (q, gated, c−, c+) from :func:`_sat_contraction`, each
+        broadcastable to ``[B, T]``.
       keep: optional detached ``[B, T]`` bool; S is zeroed where it is False (SeqClip, DPPO).
     """
     adv, mask = prep.advantages, prep.mask
     token_lr = _base.log_ratio(prep.logp, prep.behavior_logp)
     metrics = _mismatch_from_log_ratio(token_lr, mask, axis_name)
     c_minus = c_plus = jnp.float32(_ONE)
-    if sat is not None:
-        alpha, hill_exponent, kernel, quantile_method = sat
-        q, gated, c_minus, c_plus = _sat_contraction(
-            clip_log_ratio, mask, alpha, hill_exponent, kernel, axis_name, quantile_method
-        )
+    if contraction is not None:
+        q, gated, c_minus, c_plus = contraction
+        gated = mask & gated
     ratio = jnp.exp(clip_log_ratio)
     lo = 1.0 - eps_low * c_minus
     hi = 1.0 + eps_high * c_plus
@@ -142,7 +146,7 @@ def _clip_objective(
         surrogate = jnp.where(keep, surrogate, 0.0)
     means = {k: v.astype(jnp.float32) for k, v in indicators.items()}
     means["ratio_mean"] = jax.lax.stop_gradient(ratio)
-    if sat is not None:
+    if contraction is not None:
         r = jax.lax.stop_gradient(ratio)
         # Where SAT's gradient differs from PPO's: the newly clipped outward band of Eq. (21).
         binding = ((adv > 0) & (r > hi) & (r < 1.0 + eps_high)) | (
@@ -266,15 +270,18 @@ def sat(
     _check_clip(eps_low, eps_high, dual_clip)
     _check_sat(alpha, hill_exponent, kernel)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    clip_lr = _base.log_ratio(prep.logp, prep.behavior_logp)
     return _clip_objective(
         prep,
-        _base.log_ratio(prep.logp, prep.behavior_logp),
+        clip_lr,
         eps_low=eps_low,
         eps_high=eps_high,
         dual_clip=dual_clip,
         aggregation=aggregation,
         axis_name=axis_name,
-        sat=(float(alpha), hill_exponent, kernel, quantile_method),
+        contraction=_sat_contraction(
+            clip_lr, prep.mask, float(alpha), hill_exponent, kernel, axis_name, quantile_method
+        ),
     )
 
 
@@ -496,15 +503,23 @@ def sat_gspo(
     _check_clip(eps_low, eps_high)
     _check_sat(alpha, hill_exponent, kernel)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    seq_lr = _base.sequence_log_ratio(_base.log_ratio(prep.logp, prep.behavior_logp), prep.mask)
+    # The score is constant over a response, so the token-level quantile is a quantile of the B
+    # sequence scores weighted by their active-token counts: one pass over [B], not [B, T].
+    counts = jnp.sum(prep.mask.astype(jnp.int32), axis=1)
+    q, gated, c_minus, c_plus = _sat_contraction(
+        seq_lr, counts > 0, float(alpha), hill_exponent, kernel, axis_name, quantile_method,
+        weights=counts,
+    )
     return _clip_objective(
         prep,
-        _sequence_log_ratio(prep),
+        jnp.broadcast_to(seq_lr[:, None], prep.logp.shape),
         eps_low=eps_low,
         eps_high=eps_high,
         dual_clip=None,
         aggregation=aggregation,
         axis_name=axis_name,
-        sat=(float(alpha), hill_exponent, kernel, quantile_method),
+        contraction=(q, gated[:, None], c_minus[:, None], c_plus[:, None]),
     )
 
 

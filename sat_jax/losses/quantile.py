@@ -61,10 +61,10 @@ def _key_to_float(key: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(i, jnp.float32)
 
 
-def _histogram(index: jax.Array, keep: jax.Array) -> jax.Array:
-    """Counts of ``index`` (values in [0, 2¹⁶)) over the positions where ``keep`` is set."""
-    index = jnp.where(keep, index.astype(jnp.int32), _BUCKETS)  # out of range -> dropped
-    return jnp.zeros(_BUCKETS, jnp.int32).at[index.ravel()].add(1, mode="drop")
+def _histogram(index: jax.Array, weight: jax.Array) -> jax.Array:
+    """Sum of ``weight`` per value of ``index`` (in [0, 2¹⁶)); zero-weight positions are dropped."""
+    index = jnp.where(weight > 0, index.astype(jnp.int32), _BUCKETS)  # out of range -> dropped
+    return jnp.zeros(_BUCKETS, jnp.int32).at[index.ravel()].add(weight.ravel(), mode="drop")
 
 
 def _select_bucket(hist: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -76,26 +76,27 @@ def _select_bucket(hist: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]
     return bucket, k - below
 
 
-def _radix_select(key, active, alpha, axis_name):
+def _radix_select(key, weight, alpha, axis_name):
     high, low = key >> _HALF, key & jnp.uint32(_BUCKETS - 1)
-    hist = _base.psum(_histogram(high, active), axis_name)
+    hist = _base.psum(_histogram(high, weight), axis_name)
     n = jnp.sum(hist)  # the count comes free with the histogram: no extra pass over the tokens
     k = _rank(alpha, n)
     high_bucket, k_in = _select_bucket(hist, k)
-    hist = _base.psum(_histogram(low, active & (high == high_bucket.astype(jnp.uint32))), axis_name)
+    in_bucket = jnp.where(high == high_bucket.astype(jnp.uint32), weight, 0)
+    hist = _base.psum(_histogram(low, in_bucket), axis_name)
     low_bucket, _ = _select_bucket(hist, k_in)
     return (high_bucket.astype(jnp.uint32) << _HALF) | low_bucket.astype(jnp.uint32), n
 
 
-def _bisect_select(key, active, alpha, axis_name):
-    n = _base.psum(jnp.sum(active.astype(jnp.int32)), axis_name)
+def _bisect_select(key, weight, alpha, axis_name):
+    n = _base.psum(jnp.sum(weight), axis_name)
     k = _rank(alpha, n)
 
     # Invariant: count(key <= hi) >= k, and (lo == 0 or count(key <= lo - 1) < k).
     def body(_, bounds):
         lo, hi = bounds
         mid = lo + (hi - lo) // 2
-        count = _base.psum(jnp.sum((active & (key <= mid)).astype(jnp.int32)), axis_name)
+        count = _base.psum(jnp.sum(jnp.where(key <= mid, weight, 0)), axis_name)
         ok = count >= k
         return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
@@ -108,6 +109,7 @@ def quantile(
     mask: _base.ArrayLike,
     alpha: float,
     *,
+    weights: _base.ArrayLike | None = None,
     axis_name=None,
     method: str = "auto",
 ) -> jax.Array:
@@ -122,6 +124,9 @@ def quantile(
       mask: bool or 0/1 array of the same shape.
       alpha: quantile level in (0, 1], a Python float. It is read as the nearest fraction with
         denominator ≤ 10⁴, so ⌈α·n⌉ is computed exactly.
+      weights: optional non-negative integer multiplicities of the same shape: ``x[i]`` counts
+        ``weights[i]`` times. SAT-GSPO uses it to take the token-level quantile of a sequence
+        score from ``[B]`` values weighted by their active-token counts, without a ``[B, T]`` pass.
       axis_name: name of the ``shard_map``/``pmap`` axis to reduce over, or None.
       method: ``"radix"``, ``"bisect"`` or ``"auto"`` (see the module docstring).
 
@@ -135,9 +140,18 @@ def quantile(
         raise ValueError(f"`alpha` must be a Python float in (0, 1], got {alpha!r}.")
     x = _base.check_float("x", x)
     mask = _base.check_mask(mask, x.shape)
+    weight = mask.astype(jnp.int32)
+    if weights is not None:
+        weights = _base._as_array("weights", weights)
+        if not jnp.issubdtype(weights.dtype, jnp.integer) or weights.shape != x.shape:
+            raise ValueError(
+                f"`weights` must be an integer array of shape {tuple(x.shape)}, "
+                f"got {weights.dtype}{list(weights.shape)}."
+            )
+        weight = jnp.where(mask, jnp.maximum(weights.astype(jnp.int32), 0), 0)
     if method == "auto":
         method = "bisect" if jax.default_backend() == "tpu" else "radix"
     key = _sortable_key(jax.lax.stop_gradient(x))
     select = _radix_select if method == "radix" else _bisect_select
-    key, n = select(key, mask, float(alpha), axis_name)
+    key, n = select(key, weight, float(alpha), axis_name)
     return jnp.where(n > 0, _key_to_float(key), 0.0)

@@ -109,3 +109,17 @@ def test_quantile_float_edge_cases():
     for method in ("radix", "bisect"):
         for k in range(1, 9):
             assert float(losses.quantile(x, m, k / 8, method=method)) == want[k - 1]
+
+
+def test_weighted_quantile_equals_repeated_values():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(50,)).astype(np.float32)
+    w = rng.integers(0, 6, size=50)
+    mask = rng.random(50) < 0.9
+    for alpha in (0.1, 0.5, 0.9, 1.0):
+        want = ref.lower_quantile(np.repeat(x[mask], w[mask]), alpha)
+        for method in ("radix", "bisect"):
+            got = losses.quantile(x, mask, alpha, weights=w, method=method)
+            assert float(got) == np.float32(want), (alpha, method)
+    with pytest.raises(ValueError, match="`weights` must be an integer array"):
+        losses.quantile(x, mask, 0.9, weights=w.astype(np.float32))
