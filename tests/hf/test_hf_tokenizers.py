@@ -1,0 +1,127 @@
+"""HFTokenizer on a tiny byte-level BPE ``tokenizer.json`` trained here (no network), the Qwen chat
+format against hand-written strings, and the common ``Tokenizer`` protocol."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sat_jax.data import CharTokenizer
+from sat_jax.tokenizers import Tokenizer, load_tokenizer, qwen_chat_prompt
+
+tokenizers = pytest.importorskip(
+    "tokenizers", reason="HFTokenizer tests need the tokenizers package (sat_jax[hf])"
+)
+from sat_jax.tokenizers import HFTokenizer  # noqa: E402
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "What is 12 + 35? The answer is 47.",
+    "Solve for x: 2x + 3 = 11. So x = 4.",
+    "You are a helpful assistant. Put the final answer in \\boxed{}.",
+    "user assistant system think",
+] * 4
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    path = tmp_path_factory.mktemp("tok")
+    tok.save(str(path / "tokenizer.json"))
+    # As a Qwen3 base checkpoint: EOS and PAD are <|endoftext|>; AddedToken-dict form for one.
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>",
+        "pad_token": {"content": "<|endoftext|>", "special": True},
+    }))
+    return path
+
+
+def test_round_trip_and_special_ids(tok_dir):
+    tok = HFTokenizer(tok_dir)
+    assert tok.eos_id == tok.token_to_id("<|endoftext|>") == tok.pad_id == 0
+    assert tok.vocab_size == 320
+    for text in ["What is 12 + 35?", "x = 4.\n\nDone", "  spaces\tand ünïcode ✓ ", ""]:
+        ids = tok.encode(text)
+        assert all(0 <= i < tok.vocab_size for i in ids)
+        assert tok.decode(ids) == text
+    # decode stops at EOS (a sampled row padded after it) and accepts arrays.
+    ids = tok.encode("The answer is 47.")
+    row = np.array(ids + [tok.eos_id] + [tok.pad_id] * 3 + tok.encode("junk"), np.int32)
+    assert tok.decode(row) == "The answer is 47."
+    assert tok.decode(row, stop_at_eos=False).startswith("The answer is 47.<|endoftext|>")
+    with pytest.raises(ValueError, match="outside"):
+        tok.decode([tok.vocab_size])
+    # Special tokens written in text are single ids.
+    assert tok.encode("<|im_start|>user")[0] == tok.token_to_id("<|im_start|>")
+
+
+def test_chat_template_matches_hand_written_string(tok_dir):
+    tok = HFTokenizer(tok_dir, eos_token="<|im_end|>")
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is 12 + 35?"},
+    ]
+    expected = (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 12 + 35?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert tok.apply_chat_template(messages) == expected
+    assert qwen_chat_prompt(messages, enable_thinking=False) == (
+        expected + "<think>\n\n</think>\n\n"
+    )
+    multi = messages + [{"role": "assistant", "content": "47"}, {"role": "user", "content": "x?"}]
+    assert qwen_chat_prompt(multi, add_generation_prompt=False) == (
+        expected + "47<|im_end|>\n<|im_start|>user\nx?<|im_end|>\n"
+    )
+    ids = tok.encode_chat(messages)
+    assert ids.count(tok.token_to_id("<|im_start|>")) == 3
+    assert tok.eos_id == tok.token_to_id("<|im_end|>")
+    # EOS is <|im_end|> here, so decoding stops at the end of the system turn by default.
+    assert tok.decode(ids, stop_at_eos=False) == expected
+    assert tok.decode(ids) == "<|im_start|>system\nYou are a helpful assistant."
+    ids, lengths = tok.batch_encode([expected, "What"], pad_to=64)
+    assert ids.shape == (2, 64) and ids.dtype == np.int32
+    assert tok.decode(ids[0, : lengths[0]], stop_at_eos=False) == expected
+    assert (ids[1, lengths[1]:] == tok.pad_id).all()
+
+
+def test_chat_format_errors():
+    with pytest.raises(ValueError, match=r"messages\[1\] has role 'tool'"):
+        qwen_chat_prompt([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])
+    with pytest.raises(ValueError, match=r"messages\[1\] is a system message"):
+        qwen_chat_prompt([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
+    with pytest.raises(ValueError, match=r"messages\[0\]\['content'\]"):
+        qwen_chat_prompt([{"role": "user", "content": None}])
+
+
+def test_bad_paths_and_tokens(tok_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        HFTokenizer(tmp_path)
+    with pytest.raises(ValueError, match="eos_token '<nope>'"):
+        HFTokenizer(tok_dir / "tokenizer.json", eos_token="<nope>")
+    with pytest.raises(ValueError, match="more than pad_to=2"):
+        HFTokenizer(tok_dir).batch_encode(["What is 12 + 35?"], pad_to=2)
+
+
+def test_both_tokenizers_satisfy_the_protocol(tok_dir):
+    char = load_tokenizer("char")
+    hf = load_tokenizer(tok_dir)
+    for tok in (char, hf):
+        assert isinstance(tok, Tokenizer)
+        ids = tok.encode("12+35=")
+        assert tok.decode(ids + [tok.eos_id, tok.pad_id]) == "12+35="
+        assert 0 <= tok.eos_id < tok.vocab_size and 0 <= tok.pad_id < tok.vocab_size
+    assert isinstance(char, CharTokenizer) and isinstance(hf, HFTokenizer)
