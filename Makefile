@@ -1,0 +1,29 @@
+# Two entry points, each self-contained on a fresh machine:
+#   make train   -> creates .venv, installs sat_jax, runs `sat-jax train` on its built-in default
+#   make test    -> creates .venv, installs sat_jax with its test extras, runs the test suite
+PYTHON ?= python3.11
+VENV ?= .venv
+PIP_EXTRAS ?= test
+
+.PHONY: install train test lint bench
+
+$(VENV)/.installed-$(PIP_EXTRAS): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e ".[$(PIP_EXTRAS)]"
+	touch $@
+
+install: $(VENV)/.installed-$(PIP_EXTRAS)
+
+train: install
+	$(VENV)/bin/sat-jax train
+
+test: install
+	$(VENV)/bin/python -m pytest -n 2 tests
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(VENV)/bin/python benchmarks/losses.py
+	$(VENV)/bin/python benchmarks/sampler.py
