@@ -1,0 +1,10 @@
+"""GSPO w/ TIS w/ R3 (paper Table 1 grid).
+
+Every config takes overrides, e.g. --config.lag=1 --config.seed=2.
+"""
+
+from sat_jax.default_config import method_config
+
+
+def get_config():
+    return method_config("gspo_tis_r3", "gspo", r3=True, correction="tis")

@@ -1,0 +1,115 @@
+"""Rollouts: prompts → G samples each from a parameter snapshot → rewards → group advantages.
+
+The result is a host-side (NumPy) batch whose fields line up with the trainer's
+``BATCH_SPECS``: ``tokens`` [B, P + N], ``input_mask``, per-response-token ``response_mask``,
+``behavior_logp``, ``cutoffs`` and ``versions`` [B, N], ``routing`` [L, B, P + N − 1, k], plus
+``advantages`` [B] and ``rewards`` [B] (B = prompts × G, the G samples of a prompt contiguous).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from sat_jax import advantages as advantage_lib
+from sat_jax.data import pass_at_k
+from sat_jax.sampling import DecodeState, SampleOutput, Sampler, SamplingParams
+
+Example = dict[str, Any]
+
+
+@dataclasses.dataclass
+class RolloutEngine:
+    """Turns prompt examples into scored, grouped training batches with one ``Sampler``.
+
+    Args:
+      sampler: the rollout engine (its dtype may differ from the trainer's).
+      tokenizer: ``batch_encode(texts, pad_to) -> (ids, lengths)`` and ``decode(ids) -> str``.
+      reward_fn: ``(completion, example) -> float``.
+      group_size: G samples per prompt.
+      sampling: temperature / top-p / top-k.
+      advantage: ``"grpo"``, ``"dr_grpo"`` or ``"rloo"`` (``sat_jax.advantages``).
+    """
+
+    sampler: Sampler
+    tokenizer: Any
+    reward_fn: Callable[[str, Example], float]
+    group_size: int
+    sampling: SamplingParams
+    advantage: str = "grpo"
+
+    def encode(self, examples: Sequence[Example]) -> tuple[np.ndarray, np.ndarray]:
+        texts = [ex["prompt"] for ex in examples for _ in range(self.group_size)]
+        return self.tokenizer.batch_encode(texts, pad_to=self.sampler.max_prompt_len)
+
+    def start(self, params, examples: Sequence[Example], key: jax.Array) -> DecodeState:
+        ids, lengths = self.encode(examples)
+        return self.sampler.init(params, ids, lengths, key, self.sampling)
+
+    def generate(self, params, examples, key, version: int) -> SampleOutput:
+        state = self.start(params, examples, key)
+        return self.sampler.finalize(self.sampler.decode(params, state, version=version))
+
+    def completions(self, out: SampleOutput) -> list[str]:
+        response = np.asarray(out.tokens)[:, self.sampler.max_prompt_len:]
+        return [self.tokenizer.decode(row) for row in response]
+
+    def score(self, examples: Sequence[Example], out: SampleOutput) -> dict[str, np.ndarray]:
+        """Rewards, group advantages and the trainer's fields, all as NumPy arrays."""
+        texts = self.completions(out)
+        g = self.group_size
+        rewards = np.array(
+            [self.reward_fn(texts[i], examples[i // g]) for i in range(len(texts))], np.float32
+        )
+        adv = np.asarray(advantage_lib.get(self.advantage)(rewards.reshape(-1, g))).reshape(-1)
+        batch = {k: np.asarray(v) for k, v in out._asdict().items()}
+        batch["advantages"] = adv.astype(np.float32)
+        batch["rewards"] = rewards
+        return batch
+
+
+def batch_stats(batch: dict[str, np.ndarray], group_size: int) -> dict[str, float]:
+    """Reward and length statistics of a scored batch, for logging."""
+    rewards = batch["rewards"]
+    groups = rewards.reshape(-1, group_size)
+    mask = batch["response_mask"]
+    return {
+        "train/reward_mean": float(rewards.mean()),
+        "train/reward_std": float(rewards.std()),
+        "train/solved_groups": float((groups.max(axis=1) > 0.5).mean()),
+        "train/zero_variance_groups": float((groups.std(axis=1) == 0).mean()),
+        "train/response_len": float(mask.sum(axis=1).mean()),
+        "train/tokens": float(mask.sum()),
+    }
+
+
+def evaluate(
+    engine: RolloutEngine, params, examples: Sequence[Example], prompts_per_batch: int, key,
+    version: int = 0,
+) -> dict[str, float]:
+    """pass@1, avg@G and unbiased pass@G on held-out prompts (G = the engine's group size).
+
+    Batches keep the training shape (``prompts_per_batch`` × G), so evaluation reuses the compiled
+    sampler; the last batch is padded with repeats whose rewards are discarded. For 0/1 rewards
+    pass@1 and avg@G are the same number (the mean reward).
+    """
+    g = engine.group_size
+    rewards = []
+    for i, start in enumerate(range(0, len(examples), prompts_per_batch)):
+        chunk = list(examples[start:start + prompts_per_batch])
+        real = len(chunk)
+        chunk += [chunk[-1]] * (prompts_per_batch - real)
+        out = engine.generate(params, chunk, jax.random.fold_in(key, i), version)
+        texts = engine.completions(out)
+        rewards.extend(engine.reward_fn(texts[j], chunk[j // g]) for j in range(real * g))
+    r = np.array(rewards, np.float32).reshape(len(examples), g)
+    correct = (r > 0.5).sum(axis=1)
+    return {
+        "pass@1": float(r.mean()),
+        f"avg@{g}": float(r.mean()),
+        f"pass@{g}": float(np.mean([pass_at_k(g, int(c), g) for c in correct])),
+    }

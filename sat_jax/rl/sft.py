@@ -1,0 +1,132 @@
+"""Supervised warm-up to a weak base policy, cached by content hash.
+
+RL on a built-in task should start like the paper's: from a base model that solves the task
+sometimes, not never (no reward signal) and not always (nothing to learn). A short cross-entropy
+warm-up on (prompt, answer) pairs gets there in seconds; the result is cached so every run of the
+same model/task/warm-up settings starts from identical parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sat_jax.models.logprobs import token_logprobs
+
+
+def layout_pairs(tokenizer, pairs, prompt_width: int, response_width: int):
+    """Tokens [B, P + N] in the sampler's layout: BOS+prompt left-padded to P, answer+EOS after.
+
+    Returns (tokens, input_mask, response_mask) as NumPy arrays.
+    """
+    b = len(pairs)
+    tokens = np.full((b, prompt_width + response_width), tokenizer.pad_id, np.int32)
+    mask = np.zeros(tokens.shape, bool)
+    for i, (prompt, answer) in enumerate(pairs):
+        p = tokenizer.encode(prompt, add_bos=True)
+        a = tokenizer.encode(answer, add_eos=True)
+        if len(p) > prompt_width or len(a) > response_width:
+            raise ValueError(
+                f"pair {prompt!r} -> {answer!r} needs {len(p)} prompt / {len(a)} response slots, "
+                f"more than {prompt_width} / {response_width}"
+            )
+        tokens[i, prompt_width - len(p):prompt_width] = p
+        tokens[i, prompt_width:prompt_width + len(a)] = a
+        mask[i, prompt_width - len(p):prompt_width + len(a)] = True
+    return tokens, mask, mask[:, prompt_width:]
+
+
+def _cache_key(spec: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _save(path: str, params) -> None:
+    leaves = jax.tree_util.tree_leaves(params)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, *[np.asarray(x) for x in leaves])
+    os.replace(tmp, path)
+
+
+def _load(path: str, template):
+    with np.load(path) as data:
+        leaves = [data[f"arr_{i}"] for i in range(len(data.files))]
+    t_leaves, treedef = jax.tree_util.tree_flatten(template)
+    if len(leaves) != len(t_leaves) or any(
+        a.shape != b.shape for a, b in zip(leaves, t_leaves, strict=True)
+    ):
+        raise ValueError(f"cached warm-up {path} does not match the model")
+    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in leaves])
+
+
+def warmup(
+    graphdef,
+    params,
+    tokenizer,
+    task,
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    seed: int,
+    prompt_width: int,
+    response_width: int,
+    cache_dir: str | None,
+    cache_spec: dict[str, Any],
+    log=None,
+):
+    """Cross-entropy on the task's supervised pairs; returns (params, info dict).
+
+    ``cache_spec`` must describe everything that determines the result (model config, task,
+    these settings); the cache file is keyed by its hash. A corrupt cache entry is rebuilt.
+    """
+    spec = dict(cache_spec, steps=steps, batch_size=batch_size, lr=learning_rate, seed=seed,
+                widths=(prompt_width, response_width))
+    path = None
+    if cache_dir:
+        cache_dir = os.path.expanduser(cache_dir)
+        os.makedirs(cache_dir, exist_ok=True)
+        path = os.path.join(cache_dir, f"sft-{_cache_key(spec)}.npz")
+        if os.path.exists(path):
+            try:
+                return _load(path, params), {"sft/cached": 1.0}
+            except Exception as e:  # a corrupt or stale cache is rebuilt, not trusted
+                if log:
+                    log(f"ignoring unreadable warm-up cache {path}: {e}")
+
+    optimizer = optax.adam(learning_rate)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt_state, tokens, input_mask, response_mask):
+        def loss_fn(p):
+            logp, _, _ = token_logprobs(
+                graphdef, p, tokens, input_mask=input_mask, response_start=prompt_width
+            )
+            m = response_mask.astype(jnp.float32)
+            return -jnp.sum(logp * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    pairs = task.supervised_pairs(steps * batch_size, seed)
+    loss = float("nan")
+    for i in range(steps):
+        chunk = pairs[(i * batch_size) % len(pairs):][:batch_size]
+        if len(chunk) < batch_size:
+            chunk = chunk + pairs[: batch_size - len(chunk)]
+        tokens, input_mask, response_mask = layout_pairs(
+            tokenizer, chunk, prompt_width, response_width
+        )
+        params, opt_state, loss = step(params, opt_state, tokens, input_mask, response_mask)
+    info = {"sft/final_loss": float(loss), "sft/cached": 0.0}
+    if path:
+        _save(path, params)
+    return params, info
