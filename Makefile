@@ -3,13 +3,14 @@
 #   make test    -> creates .venv, installs sat_jax with its test extras, runs the test suite
 PYTHON ?= python3.11
 VENV ?= .venv
-PIP_EXTRAS ?= test
+PIP_EXTRAS ?= test,hf
 
 .PHONY: install train test lint bench
 
 $(VENV)/.installed-$(PIP_EXTRAS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(if $(PRE_INSTALL),$(VENV)/bin/python -m pip install --quiet $(PRE_INSTALL))
 	$(VENV)/bin/python -m pip install --quiet -e ".[$(PIP_EXTRAS)]"
 	touch $@
 
@@ -27,3 +28,4 @@ lint: install
 bench: install
 	$(VENV)/bin/python benchmarks/losses.py
 	$(VENV)/bin/python benchmarks/sampler.py
+	$(VENV)/bin/python benchmarks/loop.py

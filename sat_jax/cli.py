@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 import sat_jax.default_config as default_config_module
@@ -55,6 +55,8 @@ def _config():
 
 
 def main(argv):
+    # orbax and absl log every checkpoint operation at INFO; a user wants the progress line.
+    logging.set_verbosity(logging.WARNING)
     args = argv[1:]
     command = args[0] if args else "train"
     if command not in COMMANDS:

@@ -21,7 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.name = "sat_gspo_r3"
     c.seed = 0
     c.workdir = ""  # default: runs/<name>-lag<lag>-seed<seed>
-    c.num_steps = 120
+    c.num_steps = 400
     c.resume = True  # continue from the latest valid checkpoint in workdir
 
     # Data: a built-in task, a JSONL file or a TFDS array_record dataset.
@@ -113,12 +113,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.cache_dir = os.path.join("~", ".cache", "sat_jax")
 
     c.eval = ml_collections.ConfigDict()
-    c.eval.every = 20
+    c.eval.every = 50
     c.eval.num_prompts = 128
     c.eval.k = 4
 
     c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every = 40
+    c.checkpoint.every = 100
     c.checkpoint.max_to_keep = 2
 
     c.log = ml_collections.ConfigDict()

@@ -316,6 +316,7 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
         with _StopFlag() as stop:
             for step in range(start, end):
                 t0 = time.perf_counter()
+                compiled_before = timer.compiled
                 if stream is None:
                     version = schedule.version_for(step)
                     examples = next(iterator)
@@ -352,8 +353,13 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
                 if stream is None:  # stream mode keeps the newest `capacity` versions
                     store.retain(schedule.needed_after(step) | {step + 1})
                 metrics.update({k: float(v) for k, v in step_metrics.items()})
+                step_s = time.perf_counter() - t0
                 metrics.update({
-                    "time/step_s": time.perf_counter() - t0,
+                    "time/step_s": step_s,
+                    # Wall time not spent waiting on compiled computations (host-side Python:
+                    # tokenising, scoring, batching, logging) as a share of the step.
+                    "time/outside_compiled_share": 1.0 - (timer.compiled - compiled_before) / step_s
+                    if stream is None else float("nan"),
                     "time/rollout_s": t_roll,
                     "time/train_s": t_train,
                     "time/queue_wait_s": wait,
