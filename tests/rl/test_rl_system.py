@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -15,7 +16,8 @@ import pytest
 
 from sat_jax import default_config, parallel
 from sat_jax.logging import read_metrics
-from sat_jax.rl import learner, trainer
+from sat_jax.rl import SnapshotStore, lag_stats, learner, trainer
+from sat_jax.rl.stream import StreamRollouts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 METHOD_CONFIGS = sorted(
@@ -208,3 +210,35 @@ def test_cli_train_eval_plot(tmp_path, cache_dir):
                         capture_output=True, text=True, env=env, timeout=600)
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert json.loads(ev.stdout[ev.stdout.index("{"):])["step"] == 2
+
+
+def test_stream_worker_swaps_weights_mid_decode(tmp_path, cache_dir):
+    """New versions published while a batch decodes are picked up between chunks, and every
+    token records the version that produced it."""
+    config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
+    config.data.max_new_tokens = 6
+    parts = learner.build(config)
+    store = SnapshotStore(capacity=64)
+    store.put(0, parts.params)
+    prompts = iter(lambda: [parts.train_src[i] for i in range(4)], None)
+    stream = StreamRollouts(parts.engine, store, prompts, jax.random.key(0), queue_size=1,
+                            chunk=1).start()
+    try:
+        version, batch = 0, None
+        while batch is None and version < 5000:
+            version += 1
+            store.put(version, parts.params)  # same values, new version numbers
+            time.sleep(0.002)
+            if not stream.queue.empty():
+                batch = stream.get()
+        assert batch is not None, "the worker produced no batch"
+    finally:
+        stream.stop()
+    versions, mask = batch["versions"], batch["response_mask"]
+    assert stream.swaps >= 1
+    for row, m in zip(versions, mask, strict=True):
+        live = row[m]
+        assert np.all(np.diff(live) >= 0)  # versions only move forward within a response
+    assert max(len(set(row[m])) for row, m in zip(versions, mask, strict=True)) >= 2
+    stats = lag_stats(versions, mask, step=version)
+    assert stats["lag/pqs_mean"] > 0
