@@ -89,7 +89,8 @@ def main(argv):
 
     config = _config()
     try:
-        default_config_module.validate(config, num_devices=jax.device_count())
+        default_config_module.validate(config, num_devices=jax.device_count(),
+                                    num_processes=jax.process_count())
     except ValueError as e:
         return _fail(str(e))
 

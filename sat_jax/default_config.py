@@ -129,6 +129,10 @@ def get_config() -> ml_collections.ConfigDict:
     # Parallelism: data-parallel devices (-1: all); multi-host set up by the CLI flags.
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1
+    # Rollout device set: -1 shares the trainer's devices (each process samples from its own
+    # replica); k >= 0 reserves local device k for the rollout engine, and the trainer mesh takes
+    # the others (a rollout mesh and a trainer mesh, as in the paper's split GPU pools).
+    c.mesh.rollout_device = -1
     return c
 
 
@@ -138,7 +142,7 @@ def run_dir(config) -> str:
     )
 
 
-def validate(config, *, num_devices: int = 1) -> None:
+def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
     """Rejects impossible settings with one clear error, before any compute."""
 
     def fail(msg):
@@ -166,10 +170,19 @@ def validate(config, *, num_devices: int = 1) -> None:
         fail(f"rollout.group_size must be >= 2 for {config.loss.advantage} advantages, got {g}")
     if p < 1:
         fail(f"rollout.prompts_per_step must be >= 1, got {p}")
+    if p % num_processes:
+        fail(f"rollout.prompts_per_step={p} (global) must divide over {num_processes} processes")
     batch = g * p
-    n_dev = num_devices if config.mesh.data == -1 else config.mesh.data
-    if n_dev > num_devices:
-        fail(f"mesh.data={config.mesh.data} exceeds the {num_devices} available devices")
+    available = num_devices - (1 if config.mesh.rollout_device >= 0 else 0)
+    if config.mesh.rollout_device >= 0 and num_processes > 1:
+        fail("mesh.rollout_device is a single-host option; multi-host runs sample on each "
+             "process's own replica (mesh.rollout_device=-1)")
+    if config.mesh.rollout_device >= num_devices:
+        fail(f"mesh.rollout_device={config.mesh.rollout_device} is not one of the "
+             f"{num_devices} devices")
+    n_dev = available if config.mesh.data == -1 else config.mesh.data
+    if not 1 <= n_dev <= available:
+        fail(f"mesh.data={config.mesh.data} needs {n_dev} trainer devices, {available} available")
     mb = config.optim.num_minibatches
     if mb < 1 or batch % mb:
         fail(f"the rollout batch ({p} prompts x {g} samples = {batch}) must split into "

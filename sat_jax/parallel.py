@@ -70,9 +70,39 @@ def make_mesh(num_data: int = -1, devices=None) -> jax.sharding.Mesh:
 
 
 def replicate(tree, mesh):
-    """Places a pytree replicated on every device of ``mesh``."""
+    """Places a pytree replicated on every device of ``mesh`` (across hosts: every process must
+    pass the same values, as after a seeded initialisation)."""
     sharding = NamedSharding(mesh, P())
-    return jax.tree.map(lambda x: jax.device_put(x, sharding), tree)
+
+    def put(x):
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    return jax.tree.map(put, tree)
+
+
+def to_host(tree):
+    """NumPy copies of a pytree of (possibly multi-host, replicated) arrays."""
+
+    def get(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(x)
+
+    return jax.tree.map(get, tree)
+
+
+def local_view(tree):
+    """A process-local view of replicated parameters: the copy on this process's first device.
+
+    The rollout engine samples process-local prompts, so it must not run a global computation;
+    with one process the arrays are returned as they are.
+    """
+    if jax.process_count() == 1:
+        return tree
+    return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
 
 def shard_batch(batch: dict[str, np.ndarray], specs: dict[str, P], mesh) -> dict[str, jax.Array]:

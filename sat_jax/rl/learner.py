@@ -160,11 +160,24 @@ class Components:
     spec: trainer.LossSpec
     optimizer: Any
     sft_info: dict
+    rollout_device: Any = None
+
+    def rollout_view(self, params):
+        """The parameters the rollout engine samples from: this process's replica, or a copy on
+        the reserved rollout device."""
+        if self.rollout_device is not None:
+            return jax.device_put(params, self.rollout_device)
+        return parallel.local_view(params)
 
 
 def build(config, log=lambda msg: None) -> Components:
     """Builds data, model (with its cached warm-up), rollout engine, loss and optimizer."""
-    mesh = parallel.make_mesh(config.mesh.data)
+    devices = jax.devices()
+    rollout_device = None
+    if config.mesh.rollout_device >= 0:
+        rollout_device = jax.local_devices()[config.mesh.rollout_device]
+        devices = [d for d in devices if d != rollout_device]
+    mesh = parallel.make_mesh(config.mesh.data, devices)
     train_src, eval_src, task = build_sources(config)
     tokenizer = CharTokenizer()
     model_cfg = ModelConfig(vocab_size=tokenizer.vocab_size, **config.model.to_dict())
@@ -208,7 +221,7 @@ def build(config, log=lambda msg: None) -> Components:
         mesh=mesh, tokenizer=tokenizer, model_cfg=model_cfg, graphdef=graphdef,
         params=parallel.replicate(params, mesh), engine=engine, train_src=train_src,
         eval_examples=eval_examples, spec=loss_spec(config), optimizer=optimizer,
-        sft_info=sft_info,
+        sft_info=sft_info, rollout_device=rollout_device,
     )
 
 
@@ -241,7 +254,8 @@ def evaluate_run(config) -> dict[str, Any]:
 
 def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[str, Any]:
     """Runs (or resumes) a training run; returns a summary. See ``sat_jax.default_config``."""
-    default_config.validate(config, num_devices=jax.device_count())
+    default_config.validate(config, num_devices=jax.device_count(),
+                                    num_processes=jax.process_count())
     workdir = os.path.abspath(default_config.run_dir(config))
     primary = parallel.is_primary()
     log = (lambda msg: None) if (quiet or not primary) else (lambda msg: print(msg, flush=True))
@@ -256,8 +270,8 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
     schedule = LagSchedule(config.lag_mode, int(config.lag))
     capacity = config.lag + 3 if config.lag_mode != "stream" else config.lag + 8
     store = SnapshotStore(capacity, config.snapshot_placement)
-    iterator = PromptIterator(parts.train_src,
-                              config.rollout.prompts_per_step * jax.process_count(),
+    # prompts_per_step is global; each process rolls out its own contiguous share of it.
+    iterator = PromptIterator(parts.train_src, config.rollout.prompts_per_step,
                               seed=config.seed, process_index=jax.process_index(),
                               process_count=jax.process_count())
     key = jax.random.key(config.seed)
@@ -291,9 +305,9 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
 
     def run_eval(step):
         with timer.compiled_section():
-            res = evaluate(engine, state.params, eval_examples,
-                           config.rollout.prompts_per_step, jax.random.fold_in(key, 10**7 + step),
-                           version=step)
+            res = evaluate(engine, parts.rollout_view(state.params), eval_examples,
+                           config.rollout.prompts_per_step // jax.process_count(),
+                           jax.random.fold_in(key, 10**7 + step), version=step)
         logger.log(step, res, prefix="eval")
         return res
 
@@ -302,7 +316,8 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
     if config.lag_mode == "stream":
         stream = StreamRollouts(engine, store, iterator, jax.random.fold_in(key, 2 * 10**7),
                                 queue_size=max(1, int(config.lag)),
-                                chunk=config.rollout.stream_chunk, first_index=start).start()
+                                chunk=config.rollout.stream_chunk, first_index=start,
+                                view=parts.rollout_view).start()
     last_steps = max_steps if max_steps is not None else config.num_steps
     end = min(config.num_steps, start + last_steps) if max_steps is not None else config.num_steps
     progress = Progress(end, is_primary=primary and config.log.progress and not quiet)
@@ -321,8 +336,11 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
                     version = schedule.version_for(step)
                     examples = next(iterator)
                     with timer.compiled_section():
-                        out = engine.generate(store.get(version), examples,
-                                              jax.random.fold_in(key, step), version)
+                        out = engine.generate(
+                            parts.rollout_view(store.get(version)), examples,
+                            jax.random.fold_in(jax.random.fold_in(key, step), jax.process_index()),
+                            version,
+                        )
                         jax.block_until_ready(out.tokens)
                     batch = engine.score(examples, out)
                     wait = 0.0
@@ -347,7 +365,7 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
                         for mb in _minibatches(batch, config.optim.num_minibatches):
                             device_batch = parallel.shard_batch(mb, trainer.BATCH_SPECS, mesh)
                             state, step_metrics = train_step(state, device_batch, extra)
-                    step_metrics = jax.device_get(step_metrics)
+                    step_metrics = parallel.to_host(step_metrics)
                 t_train = time.perf_counter() - t1
                 store.put(step + 1, state.params)
                 if stream is None:  # stream mode keeps the newest `capacity` versions

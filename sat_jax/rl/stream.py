@@ -34,11 +34,13 @@ class StreamRollouts:
     """
 
     def __init__(self, engine: RolloutEngine, store: SnapshotStore, prompts: Iterator,
-                 key: jax.Array, *, queue_size: int = 2, chunk: int = 2, first_index: int = 0):
+                 key: jax.Array, *, queue_size: int = 2, chunk: int = 2, first_index: int = 0,
+                 view=lambda params: params):
         if queue_size < 1 or chunk < 1:
             raise ValueError(f"queue_size and chunk must be >= 1, got {queue_size}, {chunk}")
         self.engine, self.store, self.prompts, self.key = engine, store, prompts, key
         self.chunk = chunk
+        self.view = view  # e.g. parallel.local_view: sample from this process's own copy
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -57,6 +59,7 @@ class StreamRollouts:
             while not self._stop.is_set():
                 examples = next(self.prompts)
                 version, params = self.store.latest()
+                params = self.view(params)
                 t0 = time.perf_counter()
                 state = self.engine.start(params, examples, jax.random.fold_in(self.key,
                                                                                self._index))
@@ -64,6 +67,7 @@ class StreamRollouts:
                     state = sampler.decode(params, state, num_steps=self.chunk, version=version)
                     if self.store.latest_version() > version:  # weights swapped mid-decode
                         version, params = self.store.latest()
+                        params = self.view(params)
                         self.swaps += 1
                 out = sampler.finalize(state)
                 jax.block_until_ready(out.tokens)

@@ -86,6 +86,16 @@ def test_lag_bookkeeping_is_exact(mode, lag, tmp_path, cache_dir):
         assert h["lag/pqs_mean"] == 0 and h["lag/iqs_mean"] == expected
 
 
+def test_separate_rollout_device(tmp_path, cache_dir):
+    """A rollout device apart from the trainer mesh (the paper's split pools), on one host."""
+    config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
+    config.mesh.data, config.mesh.rollout_device = 4, 7
+    parts = learner.build(config)
+    assert parts.rollout_device not in parts.mesh.devices.ravel().tolist()
+    hist = learner.train(config, quiet=True)["history"]
+    assert len(hist) == 2 and all(np.isfinite(h["loss/total"]) for h in hist)
+
+
 def test_stream_mode_records_per_token_versions(tmp_path, cache_dir):
     config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
     config.lag_mode, config.lag, config.num_steps = "stream", 2, 6
