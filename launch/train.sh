@@ -17,7 +17,7 @@ internal IP of worker 0 of slice 0 (from 'tpu-vm describe') and COORDINATOR_PORT
 common_opts
 remote_opts
 opt --accelerator-type ACCELERATOR_TYPE v5litepod-8 "TPU type of each slice; decides single- or multi-host"
-opt --config CONFIG "" "config file, e.g. configs/sat.py, or just its name: sat (required)"
+opt --config CONFIG "" "config file, e.g. configs/sat_gspo_r3.py, or just its name: sat_gspo_r3 (required)"
 run_opt "" "run name: the run directory is REMOTE_DIR/runs/RUN (required)"
 opt --workdir WORKDIR "" "sat-jax --workdir (empty: runs/RUN inside REMOTE_DIR; multi-host: use a gs:// path)"
 opt --multihost MULTIHOST auto "auto, on or off: pass --multihost=on to sat-jax train"

@@ -142,6 +142,22 @@ def run_dir(config) -> str:
     )
 
 
+def run_paths(config) -> tuple[str, str]:
+    """(local directory for logs and plots, checkpoint directory).
+
+    A URL workdir (``gs://bucket/runs/x``) keeps the checkpoints there, where every host of a
+    slice writes its part and a preempted VM loses nothing, and the metrics, TensorBoard files and
+    plots in ``runs/x`` on the primary host (``launch/fetch.sh`` copies them back).
+    """
+    workdir = run_dir(config)
+    if "://" in workdir:
+        return os.path.abspath(os.path.join("runs", workdir.rstrip("/").rsplit("/", 1)[-1])), (
+            workdir.rstrip("/") + "/checkpoints"
+        )
+    workdir = os.path.abspath(workdir)
+    return workdir, os.path.join(workdir, "checkpoints")
+
+
 def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
     """Rejects impossible settings with one clear error, before any compute."""
 

@@ -238,10 +238,10 @@ def _restore_target(state, params, ref_params):
 
 def evaluate_run(config) -> dict[str, Any]:
     """Held-out evaluation of the latest valid checkpoint of ``config``'s run directory."""
-    workdir = os.path.abspath(default_config.run_dir(config))
+    workdir, ckpt_dir = default_config.run_paths(config)
     parts = build(config)
     state = trainer.init_train_state(parts.params, parts.optimizer)
-    with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
+    with Checkpointer(ckpt_dir) as ckpt:
         if ckpt.latest_step() is None:
             raise FileNotFoundError(f"no checkpoint in {workdir}")
         restored, _, step = ckpt.restore(_restore_target(state, parts.params, parts.params))
@@ -256,7 +256,7 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
     """Runs (or resumes) a training run; returns a summary. See ``sat_jax.default_config``."""
     default_config.validate(config, num_devices=jax.device_count(),
                                     num_processes=jax.process_count())
-    workdir = os.path.abspath(default_config.run_dir(config))
+    workdir, ckpt_dir = default_config.run_paths(config)
     primary = parallel.is_primary()
     log = (lambda msg: None) if (quiet or not primary) else (lambda msg: print(msg, flush=True))
     parts = build(config, log)
@@ -277,7 +277,7 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
     key = jax.random.key(config.seed)
 
     # ------------------------------------------------------------------ resume
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"),
+    ckpt = Checkpointer(ckpt_dir,
                         max_to_keep=config.checkpoint.max_to_keep)
     start = 0
     if config.resume and ckpt.latest_step() is not None:

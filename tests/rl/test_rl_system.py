@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -252,3 +253,31 @@ def test_stream_worker_swaps_weights_mid_decode(tmp_path, cache_dir):
     assert max(len(set(row[m])) for row, m in zip(versions, mask, strict=True)) >= 2
     stats = lag_stats(versions, mask, step=version)
     assert stats["lag/pqs_mean"] > 0
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, cache_dir):
+    workdir = tmp_path / "run"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sat_jax.cli", "train", f"--workdir={workdir}",
+         "--config.num_steps=100000", "--config.model.num_layers=1",
+         "--config.model.hidden_size=32", "--config.model.num_experts=4",
+         "--config.model.num_experts_per_tok=2", "--config.rollout.prompts_per_step=4",
+         "--config.rollout.group_size=4", f"--config.sft.cache_dir={cache_dir}",
+         "--config.sft.steps=3", "--config.eval.every=0", "--config.checkpoint.every=0",
+         "--config.log.progress=False", "--config.log.plots=False", "--config.mesh.data=1"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count("train/reward_mean") >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted: checkpoint saved at step" in out
+    assert "Traceback" not in out
+    steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps and steps[-1] >= 2
