@@ -26,7 +26,7 @@ def _engine_ratio(old_logp, behavior_logp):
     return jnp.exp(_base.log_ratio(old_logp, behavior_logp))
 
 
-def tis(old_logp, behavior_logp, mask, *, cap: float = 2.0) -> jax.Array:
+def tis(old_logp, behavior_logp, mask, cap: float = 2.0) -> jax.Array:
     """Truncated importance sampling weight (Eq. 41): w = min(μ̃/μ, C).
 
     Args:
@@ -44,7 +44,7 @@ def tis(old_logp, behavior_logp, mask, *, cap: float = 2.0) -> jax.Array:
 
 
 def icepop(
-    old_logp, behavior_logp, mask, *, low: float = 0.5, high: float = 5.0, binary: bool = False
+    old_logp, behavior_logp, mask, low: float = 0.5, high: float = 5.0, binary: bool = False
 ) -> jax.Array:
     """IcePop two-sided gate (Eq. 42): w = k·1[low ≤ k ≤ high], k = μ̃/μ; ``binary`` drops the k."""
     _base.check_hparam("low", low, low=0.0)
@@ -57,7 +57,7 @@ def icepop(
     return jnp.where(keep, 1.0 if binary else k, 0.0)
 
 
-def kpop(logp, behavior_logp, mask, *, phi: float) -> jax.Array:
+def kpop(logp, behavior_logp, mask, phi: float) -> jax.Array:
     """KPop Bernoulli-KL gate (Eq. 43) on the sampled token's probabilities p_π and p_μ.
 
         w = 1[KL_B(p_π‖p_μ) ≤ φ] · 1[KL_B(p_μ‖p_π) ≤ φ]

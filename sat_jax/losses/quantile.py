@@ -108,9 +108,9 @@ def quantile(
     x: _base.ArrayLike,
     mask: _base.ArrayLike,
     alpha: float,
+    axis_name=None,
     *,
     weights: _base.ArrayLike | None = None,
-    axis_name=None,
     method: str = "auto",
 ) -> jax.Array:
     """Exact lower empirical α-quantile of ``x`` over the positions where ``mask`` is set.
@@ -124,10 +124,10 @@ def quantile(
       mask: bool or 0/1 array of the same shape.
       alpha: quantile level in (0, 1], a Python float. It is read as the nearest fraction with
         denominator ≤ 10⁴, so ⌈α·n⌉ is computed exactly.
+      axis_name: name of the ``shard_map``/``pmap`` axis to reduce over, or None.
       weights: optional non-negative integer multiplicities of the same shape: ``x[i]`` counts
         ``weights[i]`` times. SAT-GSPO uses it to take the token-level quantile of a sequence
         score from ``[B]`` values weighted by their active-token counts, without a ``[B, T]`` pass.
-      axis_name: name of the ``shard_map``/``pmap`` axis to reduce over, or None.
       method: ``"radix"``, ``"bisect"`` or ``"auto"`` (see the module docstring).
 
     Example:

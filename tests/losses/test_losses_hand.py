@@ -258,3 +258,20 @@ def test_registry():
         losses.get("nope")
     with pytest.raises(ValueError, match="already registered"):
         losses.register("ppo", losses.ppo)
+
+
+def test_signatures_match_the_documented_api():
+    """Positional use as documented in the issue/README, and losses imports no flax/optax/orbax."""
+    old, beh, mask = jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones((1, 2))
+    np.testing.assert_array_equal(losses.tis(old, beh, mask, 2.0), 1.0)
+    np.testing.assert_array_equal(losses.icepop(old, beh, mask, 0.5, 5.0, True), 1.0)
+    np.testing.assert_array_equal(losses.kpop(old, beh, mask, 0.1), 1.0)
+    assert float(losses.quantile(jnp.arange(4.0), jnp.ones(4), 0.5, None)) == 1.0
+    import subprocess
+    import sys
+
+    code = ("import sys, sat_jax.losses; bad = [m for m in ('flax', 'optax', 'orbax', "
+            "'orbax.checkpoint', 'tensorflow') if m in sys.modules]; print(bad); "
+            "sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
