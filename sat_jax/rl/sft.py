@@ -49,7 +49,7 @@ def _cache_key(spec: dict[str, Any]) -> str:
 
 def _save(path: str, params) -> None:
     leaves = jax.tree_util.tree_leaves(params)
-    tmp = path + ".tmp.npz"
+    tmp = f"{path}.{os.getpid()}.tmp.npz"  # processes of one host may write the same entry
     np.savez(tmp, *[np.asarray(x) for x in leaves])
     os.replace(tmp, path)
 
