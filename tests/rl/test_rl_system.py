@@ -282,3 +282,21 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, cache_dir):
     assert "Traceback" not in out
     steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and steps[-1] >= 2
+
+
+def test_jsonl_source_runs_through_the_learner(tmp_path, cache_dir):
+    path = tmp_path / "prompts.jsonl"
+    rng = np.random.default_rng(0)
+    lines = []
+    for _ in range(40):
+        a, b = rng.integers(0, 50, size=2)
+        lines.append(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}))
+    path.write_text("\n".join(lines) + "\n")
+    config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
+    config.data.source, config.data.path = "jsonl", str(path)
+    config.eval.every, config.eval.num_prompts = 2, 8
+    summary = learner.train(config, quiet=True)
+    assert summary["end_step"] == 2
+    assert 0.0 <= summary["final_eval"]["pass@1"] <= 1.0  # scored by the numeric verifier
+    records = read_metrics(config.workdir)
+    assert any("eval/pass@1" in r for r in records)
