@@ -39,9 +39,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.answer_field = "answer"
     c.data.max_prompt_len = 8  # tokens, BOS included
     c.data.max_new_tokens = 5
+    c.data.tokenizer = "char"  # "char" or a local directory with tokenizer.json
+    c.data.eos_token = ""  # HF tokenizers: the token that ends a response (e.g. "<|im_end|>")
+    c.data.chat_template = False  # wrap each prompt as one user turn (Qwen chat format)
 
     # Policy: ModelConfig fields (see sat_jax.models.ModelConfig); vocab comes from the tokenizer.
     c.model = ml_collections.ConfigDict()
+    c.model.hf_path = ""  # a local Hugging Face Qwen3(-MoE) directory; "" builds from the fields
     c.model.hidden_size = 64
     c.model.num_layers = 2
     c.model.num_heads = 4
@@ -216,6 +220,13 @@ def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
         fail(f"data.source must be task|jsonl|tfds, got {config.data.source!r}")
     if config.data.source == "jsonl" and not os.path.isfile(os.path.expanduser(config.data.path)):
         fail(f"data.path {config.data.path!r} does not exist (data.source=jsonl)")
+    for what, path in (("model.hf_path", config.model.hf_path),
+                       ("data.tokenizer", "" if config.data.tokenizer == "char"
+                        else config.data.tokenizer)):
+        if path and not os.path.exists(os.path.expanduser(path)):
+            fail(f"{what} {path!r} does not exist")
+    if config.model.hf_path and config.data.tokenizer == "char":
+        fail("model.hf_path needs the checkpoint's tokenizer: set data.tokenizer to its directory")
     if config.data.source == "tfds" and not config.data.tfds_name:
         fail("data.tfds_name is required for data.source=tfds")
     if config.eval.every < 0 or config.checkpoint.every < 0:

@@ -35,13 +35,14 @@ from sat_jax.data import (
     make_task,
 )
 from sat_jax.logging import Progress, RunLogger, plot_run
-from sat_jax.models import ModelConfig, init_model
+from sat_jax.models import ModelConfig, init_model, load_hf
 from sat_jax.rl import sft, trainer
 from sat_jax.rl.lag import LagSchedule, lag_stats
 from sat_jax.rl.rollout import RolloutEngine, batch_stats, evaluate
 from sat_jax.rl.snapshots import SnapshotStore
 from sat_jax.rl.stream import StreamRollouts
 from sat_jax.sampling import Sampler, SamplingParams
+from sat_jax.tokenizers import HFTokenizer, qwen_chat_prompt
 
 
 def loss_spec(config) -> trainer.LossSpec:
@@ -179,12 +180,29 @@ def build(config, log=lambda msg: None) -> Components:
         devices = [d for d in devices if d != rollout_device]
     mesh = parallel.make_mesh(config.mesh.data, devices)
     train_src, eval_src, task = build_sources(config)
-    tokenizer = CharTokenizer()
-    model_cfg = ModelConfig(vocab_size=tokenizer.vocab_size, **config.model.to_dict())
-    graphdef, params = init_model(model_cfg, seed=config.seed)
+    model_fields = config.model.to_dict()
+    hf_path = os.path.expanduser(model_fields.pop("hf_path"))
+    if config.data.tokenizer == "char":
+        tokenizer = CharTokenizer()
+    else:
+        tokenizer = HFTokenizer(os.path.expanduser(config.data.tokenizer),
+                                eos_token=config.data.eos_token or None)
+    if hf_path:
+        model_cfg, graphdef, params = load_hf(
+            hf_path, router_aux_loss_coef=model_fields["router_aux_loss_coef"],
+            remat=model_fields["remat"],
+        )
+        if tokenizer.vocab_size > model_cfg.vocab_size:
+            raise ValueError(f"the tokenizer's {tokenizer.vocab_size} ids exceed the model's "
+                             f"vocab_size {model_cfg.vocab_size}")
+        log(f"loaded {hf_path}")
+    else:
+        model_cfg = ModelConfig(vocab_size=tokenizer.vocab_size, **model_fields)
+        graphdef, params = init_model(model_cfg, seed=config.seed)
     prompt_width, response_width = config.data.max_prompt_len, config.data.max_new_tokens
     sft_info: dict[str, float] = {}
-    if task is not None and config.sft.steps > 0:
+    # The warm-up makes a weak base policy for the built-in tasks; a loaded checkpoint is one.
+    if task is not None and config.sft.steps > 0 and not hf_path:
         t0 = time.perf_counter()
         params, sft_info = sft.warmup(
             graphdef, params, tokenizer, task,
@@ -208,6 +226,8 @@ def build(config, log=lambda msg: None) -> Components:
         sampling=SamplingParams(config.rollout.temperature, config.rollout.top_p,
                                 config.rollout.top_k),
         advantage=config.loss.advantage,
+        prompt_format=(lambda text: qwen_chat_prompt([{"role": "user", "content": text}]))
+        if config.data.chat_template else None,
     )
     total = config.num_steps * config.optim.updates_per_batch * config.optim.num_minibatches
     optimizer = trainer.make_optimizer(

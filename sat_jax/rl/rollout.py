@@ -33,6 +33,7 @@ class RolloutEngine:
       group_size: G samples per prompt.
       sampling: temperature / top-p / top-k.
       advantage: ``"grpo"``, ``"dr_grpo"`` or ``"rloo"`` (``sat_jax.advantages``).
+      prompt_format: maps a prompt to the text the policy reads (e.g. a chat template).
     """
 
     sampler: Sampler
@@ -41,9 +42,11 @@ class RolloutEngine:
     group_size: int
     sampling: SamplingParams
     advantage: str = "grpo"
+    prompt_format: Callable[[str], str] | None = None  # e.g. a chat template
 
     def encode(self, examples: Sequence[Example]) -> tuple[np.ndarray, np.ndarray]:
-        texts = [ex["prompt"] for ex in examples for _ in range(self.group_size)]
+        fmt = self.prompt_format or (lambda text: text)
+        texts = [fmt(ex["prompt"]) for ex in examples for _ in range(self.group_size)]
         return self.tokenizer.batch_encode(texts, pad_to=self.sampler.max_prompt_len)
 
     def start(self, params, examples: Sequence[Example], key: jax.Array) -> DecodeState:

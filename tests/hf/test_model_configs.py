@@ -15,8 +15,6 @@ pytest.importorskip("ml_collections", reason="config files need ml_collections")
 from sat_jax.models import ModelConfig, config_from_hf, hf_tensor_shapes  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-COMMON = ("objective", "eps_low", "eps_high", "alpha", "lag", "group_size", "prompts_per_step",
-          "learning_rate", "b1", "b2", "temperature", "top_p", "seed")
 
 
 def _get_config(name):
@@ -28,15 +26,13 @@ def _get_config(name):
 
 def test_paper_config():
     c = _get_config("qwen3_30b_a3b")
-    for key in COMMON:
-        assert key in c, key
-    assert (c.objective, c.routing_replay) == ("sat_gspo", True)
-    assert (c.group_size, c.prompts_per_step) == (16, 256)
-    assert (c.eps_low, c.eps_high, c.alpha, c.lag) == (0.2, 0.2, 0.9, 1)
-    assert (c.learning_rate, c.b1, c.b2) == (1e-6, 0.9, 0.98)
-    assert (c.temperature, c.top_p) == (1.0, 1.0)
-    assert c.model.hf_path is None  # a required local path, set on the command line
-    model = config_from_hf(c.model.hf_config.to_dict(), dtype=c.model.dtype,
+    assert (c.loss.objective, c.loss.r3) == ("sat_gspo", True)
+    assert (c.rollout.group_size, c.rollout.prompts_per_step) == (16, 256)
+    assert (c.loss.eps_low, c.loss.eps_high, c.loss.alpha, c.lag) == (0.2, 0.2, 0.9, 1)
+    assert (c.optim.learning_rate, c.optim.b1, c.optim.b2) == (1e-6, 0.9, 0.98)
+    assert (c.rollout.temperature, c.rollout.top_p, c.loss.kl_coef) == (1.0, 1.0, 1e-3)
+    assert c.model.hf_path.startswith("REQUIRED")  # a local path, set on the command line
+    model = config_from_hf(c.hf_config_reference.to_dict(), dtype=jnp.bfloat16,
                            router_aux_loss_coef=c.model.router_aux_loss_coef)
     assert model.dtype == jnp.bfloat16 and model.router_aux_loss_coef == 0.0
     assert (model.num_layers, model.num_experts, model.num_experts_per_tok) == (48, 128, 8)
@@ -44,9 +40,18 @@ def test_paper_config():
     assert 30.4e9 < total < 30.6e9
 
 
+def test_paper_config_stops_before_compute_until_paths_are_set():
+    from sat_jax import default_config
+
+    with pytest.raises(ValueError, match="'REQUIRED:.*' does not exist"):
+        default_config.validate(_get_config("qwen3_30b_a3b"), num_devices=8)
+
+
 def test_small_config_builds_a_model():
     c = _get_config("qwen3_moe_small")
     assert c.loss.objective == "sat_gspo" and c.loss.r3 and c.lag == 1
-    model = ModelConfig(vocab_size=64, **c.model.to_dict())
+    fields = c.model.to_dict()
+    assert fields.pop("hf_path") == ""
+    model = ModelConfig(vocab_size=64, **fields)
     assert model.num_moe_layers == 4 and model.rope_theta == 1e6
     assert 1.5e6 < sum(math.prod(s) for s in hf_tensor_shapes(model).values()) < 2.5e6
