@@ -59,7 +59,10 @@ class RolloutEngine:
 
     def completions(self, out: SampleOutput) -> list[str]:
         response = np.asarray(out.tokens)[:, self.sampler.max_prompt_len:]
-        return [self.tokenizer.decode(row) for row in response]
+        # Checkpoints pad the embedding past the tokenizer (Qwen3: 151,936 rows, ~151,669 tokens);
+        # a sampled padding id has no text, so it is dropped from the completion.
+        vocab = self.tokenizer.vocab_size
+        return [self.tokenizer.decode(row[row < vocab]) for row in response]
 
     def score(self, examples: Sequence[Example], out: SampleOutput) -> dict[str, np.ndarray]:
         """Rewards, group advantages and the trainer's fields, all as NumPy arrays."""
