@@ -31,6 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.num_digits = 2
     c.data.eval_size = 256
     c.data.path = ""  # jsonl file
+    c.data.eval_path = ""  # held-out jsonl file ("" evaluates on the first prompts of data.path)
     c.data.tfds_name = ""
     c.data.tfds_data_dir = ""
     c.data.split = "train"
@@ -218,8 +219,11 @@ def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
         fail("rollout.top_p must be in (0, 1] and rollout.temperature > 0")
     if config.data.source not in ("task", "jsonl", "tfds"):
         fail(f"data.source must be task|jsonl|tfds, got {config.data.source!r}")
-    if config.data.source == "jsonl" and not os.path.isfile(os.path.expanduser(config.data.path)):
-        fail(f"data.path {config.data.path!r} does not exist (data.source=jsonl)")
+    if config.data.source == "jsonl":
+        for what, path in (("data.path", config.data.path), ("data.eval_path",
+                                                             config.data.eval_path)):
+            if (path or what == "data.path") and not os.path.isfile(os.path.expanduser(path)):
+                fail(f"{what} {path!r} does not exist (data.source=jsonl)")
     for what, path in (("model.hf_path", config.model.hf_path),
                        ("data.tokenizer", "" if config.data.tokenizer == "char"
                         else config.data.tokenizer)):

@@ -94,9 +94,12 @@ def build_sources(config):
         task = make_task(d.task, num_digits=d.num_digits, eval_size=d.eval_size, seed=0)
         return TaskSource(task, "train"), TaskSource(task, "eval"), task
     if d.source == "jsonl":
-        src = JsonlSource(os.path.expanduser(d.path), prompt_field=d.prompt_field,
-                          answer_field=d.answer_field)
-        return src, src, None
+        def jsonl(path):
+            return JsonlSource(os.path.expanduser(path), prompt_field=d.prompt_field,
+                               answer_field=d.answer_field)
+
+        src = jsonl(d.path)
+        return src, jsonl(d.eval_path) if d.eval_path else src, None
     kwargs = dict(data_dir=d.tfds_data_dir or None, prompt_field=d.prompt_field,
                   answer_field=d.answer_field)
     return (TfdsSource(d.tfds_name, split=d.split, **kwargs),

@@ -293,7 +293,10 @@ def test_jsonl_source_runs_through_the_learner(tmp_path, cache_dir):
         lines.append(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}))
     path.write_text("\n".join(lines) + "\n")
     config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     config.data.source, config.data.path = "jsonl", str(path)
+    config.data.eval_path = str(held_out)
     config.eval.every, config.eval.num_prompts = 2, 8
     summary = learner.train(config, quiet=True)
     assert summary["end_step"] == 2
