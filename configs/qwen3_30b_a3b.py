@@ -75,6 +75,7 @@ def get_config() -> config_dict.ConfigDict:
 
     c.data.source = "jsonl"
     c.data.path = "REQUIRED:/path/to/math-prompts.jsonl"
+    c.data.eval_path = "REQUIRED:/path/to/aime24.jsonl"  # 30 problems, numeric answers
     c.data.tokenizer = "REQUIRED:/path/to/Qwen3-30B-A3B-Base"
     c.data.eos_token = "<|im_end|>"  # chat turns end here (the base config's EOS is <|endoftext|>)
     c.data.chat_template = True
