@@ -16,13 +16,13 @@ import dataclasses
 import json
 import os
 import signal
+import threading
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from sat_jax import default_config, parallel
 from sat_jax.checkpoint import Checkpointer
@@ -131,8 +131,6 @@ class _StopFlag:
 
 
 def _in_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
@@ -460,7 +458,3 @@ def _minibatches(batch: dict[str, np.ndarray], num: int):
     for i in range(num):
         sl = slice(i * size, (i + 1) * size)
         yield {k: batch[k][:, sl] if k == "routing" else batch[k][sl] for k in trainer.BATCH_SPECS}
-
-
-def params_of(summary) -> nnx.State:
-    return summary["state"].params
