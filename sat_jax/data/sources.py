@@ -128,7 +128,7 @@ def _as_text(value: Any, what: str) -> str:
     return str(value)
 
 
-class JsonlSource(PromptSource):
+class JsonlSource(ListSource):
     """Examples from a JSON-lines file, one object per line; blank lines are skipped.
 
     Args:
@@ -156,9 +156,7 @@ class JsonlSource(PromptSource):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"JSONL file {path!r} does not exist")
         self.path = path
-        self.name = os.path.basename(path)
-        self.reward_fn = reward_fn or math_reward_fn
-        self._examples: list[Example] = []
+        examples: list[Example] = []
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
@@ -181,18 +179,10 @@ class JsonlSource(PromptSource):
                 answer = _as_text(record[answer_field], f"{where}: field {answer_field!r}")
                 if answer_fn is not None:
                     answer = answer_fn(answer)
-                self._examples.append(dict(record, prompt=prompt, answer=answer))
-        if not self._examples:
+                examples.append(dict(record, prompt=prompt, answer=answer))
+        if not examples:
             raise ValueError(f"JSONL file {path!r} contains no examples")
-
-    def __len__(self) -> int:
-        return len(self._examples)
-
-    def _get(self, index: int) -> Example:
-        return dict(self._examples[index])
-
-    def reward(self, completion: str, example: Example) -> float:
-        return self.reward_fn(completion, example)
+        super().__init__(examples, reward_fn, name=os.path.basename(path))
 
 
 def _import_tfds():

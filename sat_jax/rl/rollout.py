@@ -9,6 +9,7 @@ The result is a host-side (NumPy) batch whose fields line up with the trainer's
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ import jax
 import numpy as np
 
 from sat_jax import advantages as advantage_lib
-from sat_jax.data import pass_at_k
+from sat_jax.data import evaluate as evaluate_generations
 from sat_jax.sampling import DecodeState, SampleOutput, Sampler, SamplingParams
 
 Example = dict[str, Any]
@@ -99,23 +100,22 @@ def evaluate(
 ) -> dict[str, float]:
     """pass@1, avg@G and unbiased pass@G on held-out prompts (G = the engine's group size).
 
-    Batches keep the training shape (``prompts_per_batch`` × G), so evaluation reuses the compiled
-    sampler; the last batch is padded with repeats whose rewards are discarded. For 0/1 rewards
-    pass@1 and avg@G are the same number (the mean reward).
+    Scoring and metrics are ``sat_jax.data.evaluate``'s; this supplies the generator. Batches keep
+    the training shape (``prompts_per_batch`` × G), so evaluation reuses the compiled sampler; the
+    last batch is padded with repeats whose completions are discarded. For 0/1 rewards pass@1 and
+    avg@G are the same number (the mean reward).
     """
     g = engine.group_size
-    rewards = []
-    for i, start in enumerate(range(0, len(examples), prompts_per_batch)):
-        chunk = list(examples[start:start + prompts_per_batch])
-        real = len(chunk)
-        chunk += [chunk[-1]] * (prompts_per_batch - real)
-        out = engine.generate(params, chunk, jax.random.fold_in(key, i), version)
+    calls = itertools.count()
+
+    def generate(prompts: list[str]) -> list[list[str]]:
+        batch = [{"prompt": p} for p in prompts]
+        real = len(batch)
+        batch += [batch[-1]] * (prompts_per_batch - real)
+        out = engine.generate(params, batch, jax.random.fold_in(key, next(calls)), version)
         texts = engine.completions(out)
-        rewards.extend(engine.reward_fn(texts[j], chunk[j // g]) for j in range(real * g))
-    r = np.array(rewards, np.float32).reshape(len(examples), g)
-    correct = (r > 0.5).sum(axis=1)
-    return {
-        "pass@1": float(r.mean()),
-        f"avg@{g}": float(r.mean()),
-        f"pass@{g}": float(np.mean([pass_at_k(g, int(c), g) for c in correct])),
-    }
+        return [texts[i * g:(i + 1) * g] for i in range(real)]
+
+    res = evaluate_generations(generate, examples, g, batch_size=prompts_per_batch,
+                               reward_fn=engine.reward_fn)
+    return {name: float(res[name]) for name in ("pass@1", f"avg@{g}", f"pass@{g}")}
