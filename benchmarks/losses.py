@@ -14,12 +14,14 @@ import platform
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sat_jax import losses
+from sat_jax.losses import objectives as objectives_module
 
 
 def _median_ms(fn, *args, repeats):
@@ -71,12 +73,23 @@ def _fwd_bwd(fn, **kw):
     return jax.jit(f)
 
 
+def _fixed_q_sat(data):
+    """SAT with its quantile replaced by the true q as a constant: what SAT costs without selection.
+
+    Compiled while ``objectives.quantile`` is patched, so the patch does not outlive this call.
+    """
+    q = float(losses.quantile(jnp.abs(data[0] - data[1]), data[3], 0.9))
+    with mock.patch.object(objectives_module, "quantile", lambda *a, **k: jnp.float32(q)):
+        return _fwd_bwd(losses.sat).lower(*data).compile()
+
+
 def _hlo_collectives(tokens: int) -> dict:
     """Collectives of the shard_map'd SAT loss on 8 CPU devices (run in a child process)."""
     code = f"""
 import json, re, jax, jax.numpy as jnp
 from jax.sharding import PartitionSpec as P, NamedSharding
 from sat_jax import losses
+from sat_jax.losses import objectives as objectives_module
 mesh = jax.make_mesh((8,), ("data",))
 out = {{}}
 for method in ("radix", "bisect"):
@@ -120,6 +133,7 @@ def main():
         "sat_bisect": _fwd_bwd(losses.sat, quantile_method="bisect"),
         "gspo": _fwd_bwd(losses.gspo),
         "sat_gspo": _fwd_bwd(losses.sat_gspo),
+        "sat_fixed_q": _fixed_q_sat(data),
     }
     fwd_bwd_ms, rounds = _interleaved_ms(objectives, data, args.repeats)
 
@@ -172,6 +186,7 @@ def main():
         "sat_over_ppo": _paired_ratio(rounds, "sat", "ppo"),
         "sat_bisect_over_ppo": _paired_ratio(rounds, "sat_bisect", "ppo"),
         "sat_gspo_over_gspo": _paired_ratio(rounds, "sat_gspo", "gspo"),
+        "sat_fixed_q_over_ppo": _paired_ratio(rounds, "sat_fixed_q", "ppo"),
         "quantile_ms": {k: round(v, 3) for k, v in quantile_ms.items()},
         "quantile_speedup_vs_jnp_quantile": round(
             quantile_ms["jnp_quantile"] / quantile_ms["radix"], 1
