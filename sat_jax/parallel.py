@@ -71,10 +71,16 @@ def make_mesh(num_data: int = -1, devices=None) -> jax.sharding.Mesh:
 
 def replicate(tree, mesh):
     """Places a pytree replicated on every device of ``mesh`` (across hosts: every process must
-    pass the same values, as after a seeded initialisation)."""
+    pass the same values, as after a seeded initialisation). Leaves already replicated on ``mesh``
+    are returned as they are, so a partly placed tree (parameters placed, a fresh optimizer step
+    counter not) can be passed whole."""
     sharding = NamedSharding(mesh, P())
 
     def put(x):
+        # Exactly this sharding (equivalence is not enough: on a one-device mesh a single-device
+        # array is "equivalent" but traces as a different type, costing a recompilation).
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
         if jax.process_count() == 1:
             return jax.device_put(x, sharding)
         host = np.asarray(x)

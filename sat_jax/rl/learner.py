@@ -287,7 +287,9 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
     train_step = trainer.make_train_step(parts.graphdef, parts.optimizer, spec,
                                          prompt_width=prompt_width, mesh=mesh)
     ref_params = params
-    state = trainer.init_train_state(params, parts.optimizer)
+    # Every leaf on the mesh, the step counters included: the step returns them replicated, and an
+    # uncommitted input at step 1 would make step 2 a cache miss (a second compilation).
+    state = parallel.replicate(trainer.init_train_state(params, parts.optimizer), mesh)
     schedule = LagSchedule(config.lag_mode, int(config.lag))
     capacity = config.lag + 3 if config.lag_mode != "stream" else config.lag + 8
     store = SnapshotStore(capacity, config.snapshot_placement)

@@ -75,11 +75,17 @@ def test_each_config_runs_two_steps(path, tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("mode,lag", [("fixed", 2), ("broadcast", 3)])
-def test_lag_bookkeeping_is_exact(mode, lag, tmp_path, cache_dir):
+def test_lag_bookkeeping_is_exact(mode, lag, tmp_path, cache_dir, monkeypatch):
     config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
     config.lag_mode, config.lag, config.num_steps = mode, lag, 5
     config.loss.correction = "tis"  # needs the behaviour version's snapshot at every step
+    steps = []
+    make = learner.trainer.make_train_step
+    monkeypatch.setattr(learner.trainer, "make_train_step",
+                        lambda *a, **k: steps.append(make(*a, **k)) or steps[-1])
     hist = learner.train(config, quiet=True)["history"]
+    # Five steps, one compilation: the state's step counters are placed like the rest of it.
+    assert [f._cache_size() for f in steps] == [1]
     schedule = learner.LagSchedule(mode, lag)
     for j, h in enumerate(hist):
         expected = j - schedule.version_for(j)
