@@ -28,6 +28,8 @@ split into chunks, and a fixed key gives identical rollouts.
 
 from __future__ import annotations
 
+import collections
+import threading
 from typing import NamedTuple
 
 import jax
@@ -109,6 +111,28 @@ class SampleOutput(NamedTuple):
         return self.tokens[:, self.prompt_width :]
 
 
+# Samplers with the same static configuration share their jitted functions (and so their
+# compilations): a run builds a fresh sampler for training and evaluation, and a study or test
+# builds many. Bounded, least recently used first out.
+_JIT_CACHE: collections.OrderedDict = collections.OrderedDict()
+_JIT_CACHE_SIZE = 16
+_JIT_CACHE_LOCK = threading.Lock()
+
+
+def _shared_jit(sampler):
+    key = (sampler.config, sampler.max_prompt_len, sampler.max_new_tokens, sampler.eos_id,
+           sampler.pad_id)
+    with _JIT_CACHE_LOCK:
+        if key in _JIT_CACHE:
+            _JIT_CACHE.move_to_end(key)
+        else:
+            # Bound to the first sampler with this key; every field the bodies read is in the key.
+            _JIT_CACHE[key] = (jax.jit(sampler._prefill_impl), jax.jit(sampler._decode_impl))
+            if len(_JIT_CACHE) > _JIT_CACHE_SIZE:
+                _JIT_CACHE.popitem(last=False)
+        return _JIT_CACHE[key]
+
+
 class Sampler:
     """Batched rollout engine for one model configuration and fixed prompt/response widths.
 
@@ -159,8 +183,7 @@ class Sampler:
         self.max_prompt_len = int(max_prompt_len)
         self.max_new_tokens = int(max_new_tokens)
         self.eos_id, self.pad_id = int(eos_id), int(pad_id)
-        self._prefill = jax.jit(self._prefill_impl)
-        self._decode = jax.jit(self._decode_impl)
+        self._prefill, self._decode = _shared_jit(self)
 
     # ------------------------------------------------------------------ public API
 

@@ -145,11 +145,26 @@ def test_one_compile_per_shape(params, sampler32):
     _, p = params
     p2 = jax.tree.map(lambda x: x + 0.01, p)
     calls = [(p, SamplingParams()), (p2, TRUNCATED), (p, SamplingParams(2.0))]
+    # Samplers of the same configuration share compilations, so other tests may have compiled
+    # this batch shape already: count what these three calls add.
+    before = sampler32._prefill._cache_size(), sampler32._decode._cache_size()
     for i, (pp, sp) in enumerate(calls):
         sampler32.generate(pp, PROMPTS[:, : 4 + i % 3], np.minimum(LENGTHS, 4), jax.random.key(i),
                            sp, version=i)
-    assert sampler32._prefill._cache_size() == 1
-    assert sampler32._decode._cache_size() == 1
+    assert sampler32._prefill._cache_size() - before[0] <= 1
+    assert sampler32._decode._cache_size() - before[1] <= 1
+
+
+def test_samplers_of_one_configuration_share_compilations(cfg):
+    def make(**kw):
+        return Sampler(cfg, **{"max_prompt_len": 8, "max_new_tokens": 6, "eos_id": 1, **kw})
+
+    a, b = make(), make()
+    assert a._prefill is b._prefill and a._decode is b._decode
+    c = make(max_new_tokens=7)
+    assert c._decode is not a._decode
+    d = make(dtype=jnp.bfloat16)
+    assert d._decode is not a._decode
 
 
 def test_eos_stops_and_pads(cfg, params):
