@@ -28,6 +28,27 @@ def load(name):
     return module.get_config()
 
 
+def _override(config, item: str) -> None:
+    """Sets a dotted config field from ``KEY=VALUE``, parsed with the field's current type."""
+    key, sep, raw = item.partition("=")
+    if not sep:
+        raise SystemExit(f"--set needs KEY=VALUE, got {item!r}")
+    *path, leaf = key.split(".")
+    node = config
+    for part in path:
+        node = node[part]
+    if leaf not in node:
+        raise SystemExit(f"--set: unknown config field {key!r}")
+    current = node[leaf]
+    if isinstance(current, bool):
+        value = raw.lower() in ("1", "true", "yes")
+    elif current is None:
+        value = raw
+    else:
+        value = type(current)(raw)
+    node[leaf] = value
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--configs", default="sat_gspo_r3,gspo_r3,grpo")
@@ -36,9 +57,12 @@ def main():
     p.add_argument("--lag_mode", default="broadcast")
     p.add_argument("--steps", type=int, default=0, help="0: the config's num_steps")
     p.add_argument("--out", default="runs/study")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, e.g. --set optim.learning_rate=3e-4 (repeatable)")
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    result = {"lag_mode": args.lag_mode, "lag": args.lag, "seeds": seeds, "methods": {}}
+    result = {"lag_mode": args.lag_mode, "lag": args.lag, "seeds": seeds, "overrides": args.set,
+              "methods": {}}
     for name in args.configs.split(","):
         finals, rewards, mismatch, q, binding = [], [], [], [], []
         for seed in seeds:
@@ -46,7 +70,11 @@ def main():
             c.seed, c.lag, c.lag_mode = seed, args.lag, args.lag_mode
             if args.steps:
                 c.num_steps = args.steps
-            c.workdir = os.path.join(args.out, f"{name}-{args.lag_mode}{args.lag}-seed{seed}")
+            for item in args.set:
+                _override(c, item)
+            tag = "".join(f"-{s.replace('=', '')}" for s in args.set)
+            c.workdir = os.path.join(args.out,
+                                     f"{name}-{args.lag_mode}{args.lag}{tag}-seed{seed}")
             c.resume = False
             c.log.progress = False
             summary = learner.train(c, quiet=True)
