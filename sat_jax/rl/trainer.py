@@ -174,6 +174,10 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
     ``batch`` holds the fields of :data:`BATCH_SPECS` as arrays sharded over ``mesh``'s ``data``
     axis; ``extra`` is a dict with ``"old"`` (behaviour-version parameters, when the spec needs a
     recompute) and ``"ref"`` (reference parameters, when ``kl_coef > 0``), replicated.
+
+    The step is pure, so ``jax.vmap(step, in_axes=(0, 0, None))`` over stacked states and batches
+    runs several independent runs as one program (tested against each run alone; see
+    ``benchmarks/runs.py`` for what it buys).
     """
 
     def grads_and_metrics(params, batch, extra):
