@@ -169,10 +169,19 @@ def _clip_objective(
     return _base.finish(surrogate, prep, metrics, aggregation, axis_name)
 
 
+def _sequence_scores(prep: _base.Prepared) -> jax.Array:
+    """log ρ_b of Eq. (20), ``[B]`` (differentiable)."""
+    return _base.sequence_log_ratio(_base.log_ratio(prep.logp, prep.behavior_logp), prep.mask)
+
+
+def _per_token(seq: jax.Array, prep: _base.Prepared) -> jax.Array:
+    """A per-sequence ``[B]`` value broadcast over the response, ``[B, T]``."""
+    return jnp.broadcast_to(seq[:, None], prep.logp.shape)
+
+
 def _sequence_log_ratio(prep: _base.Prepared) -> jax.Array:
     """log ρ_b of Eq. (20) broadcast to ``[B, T]`` (differentiable)."""
-    seq = _base.sequence_log_ratio(_base.log_ratio(prep.logp, prep.behavior_logp), prep.mask)
-    return jnp.broadcast_to(seq[:, None], prep.logp.shape)
+    return _per_token(_sequence_scores(prep), prep)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -503,7 +512,7 @@ def sat_gspo(
     _check_clip(eps_low, eps_high)
     _check_sat(alpha, hill_exponent, kernel)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
-    seq_lr = _base.sequence_log_ratio(_base.log_ratio(prep.logp, prep.behavior_logp), prep.mask)
+    seq_lr = _sequence_scores(prep)
     # The score is constant over a response, so the token-level quantile is a quantile of the B
     # sequence scores weighted by their active-token counts: one pass over [B], not [B, T].
     counts = jnp.sum(prep.mask.astype(jnp.int32), axis=1)
@@ -513,7 +522,7 @@ def sat_gspo(
     )
     return _clip_objective(
         prep,
-        jnp.broadcast_to(seq_lr[:, None], prep.logp.shape),
+        _per_token(seq_lr, prep),
         eps_low=eps_low,
         eps_high=eps_high,
         dual_clip=None,
