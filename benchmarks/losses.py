@@ -13,46 +13,15 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import interleaved_ms, median_seconds, paired_ratio
 
 from sat_jax import losses
 from sat_jax.losses import objectives as objectives_module
-
-
-def _median_ms(fn, *args, repeats):
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times) * 1e3)
-
-
-def _interleaved_ms(fns, args, repeats):
-    """Times functions round-robin, so that load drifting on a shared machine hits all alike.
-
-    Returns per-function median milliseconds and the per-round times (for paired ratios).
-    """
-    for fn in fns.values():
-        jax.block_until_ready(fn(*args))  # compile + warm-up
-    rounds = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            rounds[name].append(time.perf_counter() - start)
-    return {k: float(np.median(v) * 1e3) for k, v in rounds.items()}, rounds
-
-
-def _paired_ratio(rounds, num, den):
-    """Median over rounds of num/den measured back to back: robust to slow drifts in load."""
-    return round(float(np.median(np.array(rounds[num]) / np.array(rounds[den]))), 3)
 
 
 def _inputs(batch, length, seed=0):
@@ -89,7 +58,6 @@ def _hlo_collectives(tokens: int) -> dict:
 import json, re, jax, jax.numpy as jnp
 from jax.sharding import PartitionSpec as P, NamedSharding
 from sat_jax import losses
-from sat_jax.losses import objectives as objectives_module
 mesh = jax.make_mesh((8,), ("data",))
 out = {{}}
 for method in ("radix", "bisect"):
@@ -135,7 +103,7 @@ def main():
         "sat_gspo": _fwd_bwd(losses.sat_gspo),
         "sat_fixed_q": _fixed_q_sat(data),
     }
-    fwd_bwd_ms, rounds = _interleaved_ms(objectives, data, args.repeats)
+    fwd_bwd_ms, rounds = interleaved_ms(objectives, data, args.repeats)
 
     absd = jnp.abs(data[0] - data[1])
     mask = data[3]
@@ -151,11 +119,12 @@ def main():
         "lax_top_k": jax.jit(lambda x: -jax.lax.top_k(-x, k)[0][-1]),
     }
     sorted_active = jnp.sort(flat_active)  # outside timing: jnp_quantile gets exactly the actives
-    quantile_ms = {
-        "radix": _median_ms(quantile_fns["radix"], absd, mask, repeats=args.repeats),
-        "bisect": _median_ms(quantile_fns["bisect"], absd, mask, repeats=args.repeats),
-        "jnp_quantile": _median_ms(quantile_fns["jnp_quantile"], sorted_active, repeats=3),
-        "lax_top_k": _median_ms(quantile_fns["lax_top_k"], flat_active, repeats=3),
+    quantile_args = {"radix": (absd, mask), "bisect": (absd, mask),
+                     "jnp_quantile": (sorted_active,), "lax_top_k": (flat_active,)}
+    quantile_ms = {  # the two sorting baselines are slow: 3 repeats
+        name: 1e3 * median_seconds(fn, *quantile_args[name],
+                                   repeats=args.repeats if name in ("radix", "bisect") else 3)
+        for name, fn in quantile_fns.items()
     }
     # The floor for any exact selection on this backend: one scatter-add histogram pass (what each
     # radix pass costs) and one masked count (what each bisection step costs), over the same tokens.
@@ -168,7 +137,7 @@ def main():
         ),
         "count_pass": jax.jit(lambda x, m: jnp.sum(jnp.where(m & (x <= t), 1, 0))),
     }
-    floor_ms, _ = _interleaved_ms(floor_fns, (absd, mask), args.repeats)
+    floor_ms, _ = interleaved_ms(floor_fns, (absd, mask), args.repeats)
     exact = exact_value
     agree = {
         name: float(quantile_fns[name](absd, mask)) == exact for name in ("radix", "bisect")
@@ -182,11 +151,11 @@ def main():
         "tokens": batch * length,
         "active_tokens": n_active,
         "forward_backward_ms": {k: round(v, 3) for k, v in fwd_bwd_ms.items()},
-        # Ratios are medians of back-to-back pairs (see _paired_ratio).
-        "sat_over_ppo": _paired_ratio(rounds, "sat", "ppo"),
-        "sat_bisect_over_ppo": _paired_ratio(rounds, "sat_bisect", "ppo"),
-        "sat_gspo_over_gspo": _paired_ratio(rounds, "sat_gspo", "gspo"),
-        "sat_fixed_q_over_ppo": _paired_ratio(rounds, "sat_fixed_q", "ppo"),
+        # Ratios are medians of back-to-back pairs (see _timing.paired_ratio).
+        "sat_over_ppo": paired_ratio(rounds, "sat", "ppo"),
+        "sat_bisect_over_ppo": paired_ratio(rounds, "sat_bisect", "ppo"),
+        "sat_gspo_over_gspo": paired_ratio(rounds, "sat_gspo", "gspo"),
+        "sat_fixed_q_over_ppo": paired_ratio(rounds, "sat_fixed_q", "ppo"),
         "quantile_ms": {k: round(v, 3) for k, v in quantile_ms.items()},
         "quantile_speedup_vs_jnp_quantile": round(
             quantile_ms["jnp_quantile"] / quantile_ms["radix"], 1

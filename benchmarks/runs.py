@@ -21,11 +21,10 @@ import json
 import os
 import platform
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from _timing import median_seconds
 
 from sat_jax import default_config, parallel
 from sat_jax.rl import learner, trainer
@@ -34,16 +33,6 @@ from sat_jax.sampling import SamplingParams
 
 def _stack(trees):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
-
-
-def _median_s(fn, repeats):
-    jax.block_until_ready(fn())  # compile + warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def main():
@@ -103,8 +92,8 @@ def main():
         def vmapped(p=stacked_params, k=stacked_keys, s=stacked_states, b=stacked_batch):
             return batched_generate(p, k), batched_step(s, b, {})
 
-        seq = _median_s(sequential, args.repeats)
-        vec = _median_s(vmapped, args.repeats)
+        seq = median_seconds(sequential, repeats=args.repeats)
+        vec = median_seconds(vmapped, repeats=args.repeats)
         results[str(runs)] = {
             "sequential_ms": round(seq * 1e3, 1),
             "vmapped_ms": round(vec * 1e3, 1),

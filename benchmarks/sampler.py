@@ -18,26 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import median_seconds
 from flax import nnx
 
 from sat_jax.models import ModelConfig, init_model, param_count, scale_logits, token_logprobs
 from sat_jax.sampling import Sampler, SamplingParams
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # warm-up (compile)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _flops(jitted, *args, **kwargs) -> float:
@@ -68,7 +57,7 @@ def main() -> None:
     state0 = sampler.init(params, prompts, lengths, key, SamplingParams())
 
     # --- KV-cache decode.
-    t_cache = _median_seconds(lambda: sampler.decode(params, state0, n).tokens, args.repeats)
+    t_cache = median_seconds(lambda: sampler.decode(params, state0, n).tokens, repeats=args.repeats)
     steps = int(sampler.decode(params, state0, n).step)
 
     # --- Baseline: recompute the full (padded) prefix at every step, same sampling.
@@ -88,8 +77,9 @@ def main() -> None:
 
         return jax.lax.fori_loop(0, n, body, (tokens, mask))[0]
 
-    t_full = _median_seconds(
-        lambda: decode_no_cache(params, state0.tokens, state0.input_mask, key), args.repeats
+    t_full = median_seconds(
+        lambda: decode_no_cache(params, state0.tokens, state0.input_mask, key),
+        repeats=args.repeats,
     )
 
     # --- Training log-prob pass with replay, forward and forward + backward.
@@ -102,8 +92,8 @@ def main() -> None:
         return -jnp.sum(token_logprobs(graphdef, prm, out.tokens, **lp_kwargs)[0])
 
     fwd_bwd = jax.jit(jax.value_and_grad(loss))
-    t_fwd = _median_seconds(lambda: fwd(params), args.repeats)
-    t_fwd_bwd = _median_seconds(lambda: fwd_bwd(params), args.repeats)
+    t_fwd = median_seconds(lambda: fwd(params), repeats=args.repeats)
+    t_fwd_bwd = median_seconds(lambda: fwd_bwd(params), repeats=args.repeats)
     fed_tokens = b * (p + n - 1)
     flops_fwd = _flops(fwd, params)
     flops_fwd_bwd = _flops(fwd_bwd, params)
@@ -113,7 +103,7 @@ def main() -> None:
     x = jax.random.normal(jax.random.key(1), (m, m), jnp.float32)
     y = jax.random.normal(jax.random.key(2), (m, m), jnp.float32)
     dot = jax.jit(jnp.dot)
-    t_dot = _median_seconds(lambda: dot(x, y), args.repeats)
+    t_dot = median_seconds(lambda: dot(x, y), repeats=args.repeats)
     dot_flops_s = 2.0 * m**3 / t_dot
 
     result = {
