@@ -306,7 +306,7 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
     if config.resume and ckpt.latest_step() is not None:
         restored, meta, start = ckpt.restore(_restore_target(state, params, ref_params))
         state = trainer.TrainState(**restored["state"])
-        store.load({k: v for k, v in restored["store"].items()})
+        store.load(restored["store"])
         ref_params = restored["ref"]
         iterator.restore(meta["iterator"])
         log(f"resumed from {workdir} at step {start}")
@@ -341,8 +341,7 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
                                 queue_size=max(1, int(config.lag)),
                                 chunk=config.rollout.stream_chunk, first_index=start,
                                 view=parts.rollout_view).start()
-    last_steps = max_steps if max_steps is not None else config.num_steps
-    end = min(config.num_steps, start + last_steps) if max_steps is not None else config.num_steps
+    end = config.num_steps if max_steps is None else min(config.num_steps, start + max_steps)
     progress = Progress(end, is_primary=primary and config.log.progress and not quiet)
     history: list[dict[str, float]] = []
     t_start = time.perf_counter()

@@ -8,7 +8,9 @@ the low-variance KL to a reference policy. Replicated parameters make the gradie
 loss exact per device; the optax update runs on the replicated result.
 
 The step is a pure function ``(TrainState, batch, extra_params) -> (TrainState, metrics)``, so it
-can also be vmapped over a leading "run" axis of stacked states for many small studies at once.
+can also be vmapped over a leading "run" axis of stacked states for many small studies at once
+(``jax.vmap(step, in_axes=(0, 0, None))``; tested against each run alone, and
+``benchmarks/runs.py`` measures what it buys).
 """
 
 from __future__ import annotations
@@ -174,10 +176,6 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
     ``batch`` holds the fields of :data:`BATCH_SPECS` as arrays sharded over ``mesh``'s ``data``
     axis; ``extra`` is a dict with ``"old"`` (behaviour-version parameters, when the spec needs a
     recompute) and ``"ref"`` (reference parameters, when ``kl_coef > 0``), replicated.
-
-    The step is pure, so ``jax.vmap(step, in_axes=(0, 0, None))`` over stacked states and batches
-    runs several independent runs as one program (tested against each run alone; see
-    ``benchmarks/runs.py`` for what it buys).
     """
 
     def grads_and_metrics(params, batch, extra):
