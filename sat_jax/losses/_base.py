@@ -24,12 +24,19 @@ ArrayLike = jax.typing.ArrayLike
 #: Log-ratios are clamped to this magnitude before ``exp`` (SPEC: "clamped to ±20").
 LOG_RATIO_CLAMP = 20.0
 
-#: Supported aggregation modes (SPEC, "Conventions").
+#: Default upper cap on the sequence log-ratio log ρ_b of the GSPO family, applied after averaging
+#: the (±20-clamped) token log-ratios: the value tunix's ``gspo-token`` and verl's ``gspo`` use.
+SEQ_LOG_RATIO_CAP = 10.0
+
+#: Supported aggregation modes (SPEC, "Conventions"; docs/losses.md maps each to verl and tunix).
+#: The last two are the other Dr.GRPO divisors found in the peers, offered by name.
 AGGREGATIONS = (
     "token-mean",
     "seq-mean-token-mean",
     "seq-mean-token-sum",
     "seq-mean-token-sum-norm",
+    "seq-mean-token-sum-norm-active",
+    "seq-sum-token-sum-norm",
 )
 
 
@@ -229,15 +236,21 @@ def aggregate(
 ) -> Array:
     """Reduces per-token values ``[B, T]`` to a scalar, globally over ``axis_name``.
 
-    Modes (SPEC, "Conventions"), with m the active-token mask:
+    Modes (SPEC, "Conventions"), with m the active-token mask, B the global number of rows,
+    B_act the global number of rows with an active token and T the padded length:
 
     * ``token-mean``: ``Σ m·x / Σ m`` over the whole batch.
-    * ``seq-mean-token-mean``: mean over sequences with an active token of ``Σ_t m·x / Σ_t m``.
-    * ``seq-mean-token-sum``: mean over sequences with an active token of ``Σ_t m·x``.
-    * ``seq-mean-token-sum-norm`` (Dr.GRPO): ``Σ m·x / (B · T)``, B the global number of sequences
-      and T the padded length.
+    * ``seq-mean-token-mean``: mean over the B_act rows of ``Σ_t m·x / Σ_t m``.
+    * ``seq-mean-token-sum``: mean over the B_act rows of ``Σ_t m·x``.
+    * ``seq-mean-token-sum-norm`` (Dr.GRPO, ours): ``Σ m·x / (B · T)``; empty rows count in B.
+    * ``seq-mean-token-sum-norm-active``: ``Σ m·x / (B_act · T)``: tunix's
+      ``sequence-mean-token-scale`` and the later verl's ``seq-mean-token-sum-norm``.
+    * ``seq-sum-token-sum-norm``: ``Σ m·x / T``, no division by the number of rows: the earlier
+      verl's ``seq-mean-token-sum-norm`` (its loss grows with the batch size).
 
-    Empty masks give 0. Positions where ``mask`` is off never reach the result or its gradient.
+    Every count (Σ m, B, B_act) is psum'd over ``axis_name``, so a sharded batch gives the
+    unsharded result. Empty masks give 0. Positions where ``mask`` is off never reach the result
+    or its gradient.
     """
     check_aggregation(mode)
     values = check_float("values", values, rank=2)
@@ -245,15 +258,19 @@ def aggregate(
     x = jnp.where(mask, values, 0.0)
     m = mask.astype(jnp.float32)
     seq_count = jnp.sum(m, axis=1)
-    if mode == "token-mean":
-        den = jnp.sum(seq_count)
-    elif mode == "seq-mean-token-sum-norm":
-        den = jnp.float32(x.shape[0] * x.shape[1])
-    else:
-        den = jnp.sum((seq_count > 0).astype(jnp.float32))
+    n_active = jnp.sum((seq_count > 0).astype(jnp.float32))
+    # (count, scale): the divisor is psum(count)·scale; a None count divides by the scale alone.
+    count, scale = {
+        "token-mean": (jnp.sum(seq_count), 1.0),
+        "seq-mean-token-mean": (n_active, 1.0),
+        "seq-mean-token-sum": (n_active, 1.0),
+        "seq-mean-token-sum-norm": (jnp.float32(x.shape[0]), float(x.shape[1])),
+        "seq-mean-token-sum-norm-active": (n_active, float(x.shape[1])),
+        "seq-sum-token-sum-norm": (None, float(x.shape[1])),
+    }[mode]
 
     def numerator(x, seq_count):
-        if mode in ("token-mean", "seq-mean-token-sum-norm"):
+        if mode not in ("seq-mean-token-mean", "seq-mean-token-sum"):
             return jnp.sum(x)
         seq_sum = jnp.sum(x, axis=1)
         if mode == "seq-mean-token-mean":
@@ -265,9 +282,12 @@ def aggregate(
     # predicate is always true but only known at run time) gives the reduction a computation of
     # its own over a materialised array: SAT with the gate off then equals the base objective bit
     # for bit, as SPEC requires, at the cost of one extra pass over [B, T].
-    num = jax.lax.cond(den >= 0, numerator, numerator, x, seq_count)
-    num, den = psum((num, den), axis_name)
-    return num / jnp.maximum(den, 1.0)
+    num = jax.lax.cond(jnp.sum(seq_count) >= 0, numerator, numerator, x, seq_count)
+    if count is None:
+        return psum(num, axis_name) / scale
+    num, count = psum((num, count), axis_name)
+    den = jnp.maximum(count, 1.0)
+    return num / (den if scale == 1.0 else den * scale)
 
 
 def finish(

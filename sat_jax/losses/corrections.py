@@ -29,6 +29,9 @@ def _engine_ratio(old_logp, behavior_logp):
 def tis(old_logp, behavior_logp, mask, cap: float = 2.0) -> jax.Array:
     """Truncated importance sampling weight (Eq. 41): w = min(μ̃/μ, C).
 
+    verl: ``rollout_is="token"`` with ``rollout_is_threshold=C`` gives the same weight (both clamp
+    log k at ±20 first); tunix passes precomputed ``sampler_is_weights`` the same way.
+
     Args:
       old_logp: ``[B, T]`` trainer-side log-probs of the behaviour version (μ̃).
       behavior_logp: ``[B, T]`` rollout-engine log-probs (μ).
@@ -46,7 +49,19 @@ def tis(old_logp, behavior_logp, mask, cap: float = 2.0) -> jax.Array:
 def icepop(
     old_logp, behavior_logp, mask, low: float = 0.5, high: float = 5.0, binary: bool = False
 ) -> jax.Array:
-    """IcePop two-sided gate (Eq. 42): w = k·1[low ≤ k ≤ high], k = μ̃/μ; ``binary`` drops the k."""
+    """IcePop two-sided gate (Eq. 42): w = k·1[low ≤ k ≤ high], k = μ̃/μ; ``binary`` drops the k.
+
+    Bounds are on k itself, inclusive, with log k clamped at ±20 as in :func:`tis`. verl spells
+    the same gate two ways (docs/losses.md):
+
+    * as an importance weight, ``rollout_is="token"``, ``rollout_is_threshold="low_high"``: the
+      weight above (``binary=False``), applied through ``token_weights``, so a rejected token
+      still counts in the aggregation's denominator;
+    * as rejection, ``rollout_rs="token_k1"``: its statistic is −log k and its threshold
+      ``"a_b"`` keeps log a ≤ −log k ≤ log b, i.e. 1/b ≤ k ≤ 1/a, so ``icepop(0.5, 5)`` is its
+      ``"0.2_2"``. A rejected token leaves verl's response mask, hence the denominator too: pass
+      ``mask & (icepop(..., binary=True) > 0)`` as the objective's ``mask`` to reproduce it.
+    """
     _base.check_hparam("low", low, low=0.0)
     _base.check_hparam("high", high, low=low if isinstance(low, (int, float)) else None)
     old_logp, behavior_logp, mask = _inputs(

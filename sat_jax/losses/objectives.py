@@ -169,9 +169,23 @@ def _clip_objective(
     return _base.finish(surrogate, prep, metrics, aggregation, axis_name)
 
 
-def _sequence_scores(prep: _base.Prepared) -> jax.Array:
-    """log ρ_b of Eq. (20), ``[B]`` (differentiable)."""
+def _check_seq_cap(seq_log_ratio_cap):
+    _base.check_hparam("seq_log_ratio_cap", seq_log_ratio_cap, low=0.0, low_open=True)
+
+
+def _cap(log_ratio: jax.Array, cap) -> jax.Array:
+    """``min(log_ratio, cap)``; ``cap=None`` leaves it as is. Zero gradient above the cap."""
+    return log_ratio if cap is None else jnp.minimum(log_ratio, cap)
+
+
+def _uncapped_sequence_scores(prep: _base.Prepared) -> jax.Array:
+    """mean_t of the ±20-clamped token log-ratios, ``[B]`` (differentiable), before the cap."""
     return _base.sequence_log_ratio(_base.log_ratio(prep.logp, prep.behavior_logp), prep.mask)
+
+
+def _sequence_scores(prep: _base.Prepared, cap) -> jax.Array:
+    """log ρ_b of Eq. (20), capped above at ``cap``, ``[B]`` (differentiable)."""
+    return _cap(_uncapped_sequence_scores(prep), cap)
 
 
 def _per_token(seq: jax.Array, prep: _base.Prepared) -> jax.Array:
@@ -179,9 +193,18 @@ def _per_token(seq: jax.Array, prep: _base.Prepared) -> jax.Array:
     return jnp.broadcast_to(seq[:, None], prep.logp.shape)
 
 
-def _sequence_log_ratio(prep: _base.Prepared) -> jax.Array:
-    """log ρ_b of Eq. (20) broadcast to ``[B, T]`` (differentiable)."""
-    return _per_token(_sequence_scores(prep), prep)
+def _sequence_log_ratio(prep: _base.Prepared, cap) -> jax.Array:
+    """Capped log ρ_b of Eq. (20) broadcast to ``[B, T]`` (differentiable)."""
+    return _per_token(_sequence_scores(prep, cap), prep)
+
+
+def _zero_with_unit_grad(logp: jax.Array) -> jax.Array:
+    """``logp − sg(logp)``: 0 in value, derivative 1; 0 with no gradient where logp is ±inf.
+
+    A sampled token with log π = −inf would otherwise give ``−inf − (−inf) = NaN``.
+    """
+    finite = jnp.isfinite(jax.lax.stop_gradient(logp))
+    return jnp.where(finite, logp - jax.lax.stop_gradient(logp), 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,28 +327,49 @@ def dppo(
     divergence: str = "tv",
     eps_low: float = 0.2,
     eps_high: float = 0.2,
+    variant: str = "paper",
+    ratio_cap: float = 20.0,
     aggregation: str = "token-mean",
     token_weights=None,
     axis_name=None,
 ) -> _base.LossOutput:
-    """DPPO: the PPO term, zeroed on outward moves whose sampled divergence exceeds δ (Eq. 47).
+    """DPPO: policy gradient with outward moves dropped where the sampled divergence exceeds δ.
 
         outward = sign(A·(r − 1)) > 0
         TV:  D = μ·|r − 1| = |π − μ| of the sampled token (Eq. 45)
         KL:  D = Bernoulli KL(μ‖π) of the sampled token's probability
-        S = 1[¬(outward ∧ D > δ)] · min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A)
+        keep = ¬(outward ∧ D > δ)                                   (the mask of Eq. 47)
+
+    Two readings of Eq. (47), chosen by ``variant``:
+
+    * ``"paper"`` (default): S = keep · min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A), the mask
+      multiplying PPO's clip. This is what the paper ran (Appendix F: "DPPO multiplies the GRPO
+      clip by a hard mask"; Table 9: DPPO-DTV, δ = 1e-3, ε = 0.2/0.2).
+    * ``"verl"``: the mask replaces the clip, with a detached importance weight capped at
+      ``ratio_cap`` (verl's ``dppo_tv``/``dppo_kl``, whose ``clip_ratio_c`` defaults to 20):
+      S = keep · sg(min(r, C)) · A · (1 + logp − sg(logp)). Its gradient, keep·min(r, C)·A per
+      token, is verl's; its value keep·min(r, C)·A is on the scale of the other surrogates,
+      whereas verl's reported loss is −A·sg(min(r, C))·log π (same gradient, different value).
+      ε is not used.
 
     Args:
       delta: threshold δ; None means the paper's 1e-3 for ``"tv"`` and verl's 0.05 for ``"kl"``.
       divergence: ``"tv"`` (the paper's DPPO-DTV) or ``"kl"``.
+      variant: ``"paper"`` or ``"verl"``, as above.
+      ratio_cap: C > 0 of the ``"verl"`` variant (unused by ``"paper"``).
 
-    Metrics: those of :func:`ppo` plus ``dppo/masked_frac``, the share of active tokens zeroed.
+    Metrics: those of :func:`ppo` (``"paper"``) or mismatch metrics and ``ratio_mean``
+    (``"verl"``), plus ``dppo/masked_frac``, the share of active tokens zeroed, and for
+    ``"verl"`` ``dppo/ratio_capped_frac``, the share of kept tokens with r > C.
     """
     if divergence not in ("tv", "kl"):
         raise ValueError(f"`divergence` must be 'tv' or 'kl', got {divergence!r}.")
+    if variant not in ("paper", "verl"):
+        raise ValueError(f"`variant` must be 'paper' or 'verl', got {variant!r}.")
     if delta is None:
         delta = 1e-3 if divergence == "tv" else 0.05
     _base.check_hparam("delta", delta, low=0.0, low_open=True)
+    _base.check_hparam("ratio_cap", ratio_cap, low=0.0, low_open=True)
     _check_clip(eps_low, eps_high)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
     lr = _base.log_ratio(prep.logp, prep.behavior_logp)
@@ -336,17 +380,34 @@ def dppo(
     else:
         disc = bernoulli_kl(prep.behavior_logp, jax.lax.stop_gradient(prep.logp))
     dropped = prep.mask & outward & (disc > delta)
-    return _clip_objective(
-        prep,
-        lr,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        dual_clip=None,
-        aggregation=aggregation,
-        axis_name=axis_name,
-        keep=~dropped,
-        extra_metrics={"dppo/masked_frac": dropped.astype(jnp.float32)},
+    if variant == "paper":
+        return _clip_objective(
+            prep,
+            lr,
+            eps_low=eps_low,
+            eps_high=eps_high,
+            dual_clip=None,
+            aggregation=aggregation,
+            axis_name=axis_name,
+            keep=~dropped,
+            extra_metrics={"dppo/masked_frac": dropped.astype(jnp.float32)},
+        )
+    weight = jnp.minimum(r, ratio_cap)  # detached: r is computed from sg(log r)
+    surrogate = weight * prep.advantages * (1.0 + _zero_with_unit_grad(prep.logp))
+    surrogate = jnp.where(dropped, 0.0, surrogate)
+    metrics = _mismatch_from_log_ratio(lr, prep.mask, axis_name)
+    metrics.update(
+        _base.masked_means(
+            {
+                "ratio_mean": r,
+                "dppo/masked_frac": dropped.astype(jnp.float32),
+                "dppo/ratio_capped_frac": (~dropped & (r > ratio_cap)).astype(jnp.float32),
+            },
+            prep.mask,
+            axis_name,
+        )
     )
+    return _base.finish(surrogate, prep, metrics, aggregation, axis_name)
 
 
 def bernoulli_kl(log_p: jax.Array, log_q: jax.Array) -> jax.Array:
@@ -428,22 +489,31 @@ def gspo(
     *,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
+    seq_log_ratio_cap: float | None = _base.SEQ_LOG_RATIO_CAP,
     aggregation: str = "token-mean",
     token_weights=None,
     axis_name=None,
 ) -> _base.LossOutput:
     """GSPO: the clipped surrogate on the length-normalised sequence ratio (Eqs. 20, 37–38).
 
-        ρ_b = exp(mean_t log r_bt),  S_bt = min(ρ_b·A, clip(ρ_b, 1 − ε_low, 1 + ε_high)·A)
+        log ρ_b = min(mean_t clip(log r_bt, ±20), cap),
+        S_bt = min(ρ_b·A, clip(ρ_b, 1 − ε_low, 1 + ε_high)·A)
 
     ρ_b is broadcast to the response's active tokens. Defaults are the GSPO paper's 3e-4/4e-4; the
     SAT paper ran 0.2/0.2. ``mismatch`` metrics use token ratios (Eq. 52), as for every method.
+
+    Args:
+      seq_log_ratio_cap: upper cap on log ρ_b after averaging (default 10, as tunix's
+        ``gspo-token`` and verl's ``gspo``), so ρ_b ≤ e^10 ≈ 2.2e4 and a response above the cap
+        has no gradient; None disables it (then ρ_b ≤ e^20 from the token clamp alone). Below
+        the cap the loss is unchanged. With tokens clamped at ±20 first, ρ_b ≥ e^−20.
     """
     _check_clip(eps_low, eps_high)
+    _check_seq_cap(seq_log_ratio_cap)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
     return _clip_objective(
         prep,
-        _sequence_log_ratio(prep),
+        _sequence_log_ratio(prep, seq_log_ratio_cap),
         eps_low=eps_low,
         eps_high=eps_high,
         dual_clip=None,
@@ -460,21 +530,30 @@ def gspo_token(
     *,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
+    seq_log_ratio_cap: float | None = _base.SEQ_LOG_RATIO_CAP,
     aggregation: str = "token-mean",
     token_weights=None,
     axis_name=None,
 ) -> _base.LossOutput:
     """GSPO-token: GSPO's value with per-token gradients (GSPO paper, Eq. 13 there).
 
-        log s_bt = sg(log ρ_b) + logp_t − sg(logp_t)
+        log s_bt = min(sg(mean_t clip(log r_bt, ±20)) + logp_t − sg(logp_t), cap)
 
-    Numerically s_bt = ρ_b, but ∂s_bt/∂logp_t = ρ_b, so per-token advantages ``[B, T]`` act on
-    their own token. With sequence advantages its gradient equals :func:`gspo`'s times T_b.
+    Numerically s_bt = ρ_b (capped as in :func:`gspo`), but ∂s_bt/∂logp_t = ρ_b for that token
+    alone, so per-token advantages ``[B, T]`` act on their own token. The cap is applied after
+    the sum, as tunix and verl do, so a response above it has no gradient, like :func:`gspo`.
+
+    With sequence advantages ``[B]`` its gradient equals :func:`gspo`'s, value and gradient, in
+    every aggregation mode: d/dlogp_bt of GSPO is f'(ρ_b)·ρ_b·(1/T_b)·(sum of the row's T_b
+    token weights), and every mode weighs a row's tokens equally, so the T_b cancels. The one
+    exception is a token with |log r| > 20, whose gradient the token clamp removes in
+    :func:`gspo` but not here.
     """
     _check_clip(eps_low, eps_high)
+    _check_seq_cap(seq_log_ratio_cap)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
-    seq = jax.lax.stop_gradient(_sequence_log_ratio(prep))
-    clip_lr = seq + prep.logp - jax.lax.stop_gradient(prep.logp)
+    seq = jax.lax.stop_gradient(_per_token(_uncapped_sequence_scores(prep), prep))
+    clip_lr = _cap(seq + _zero_with_unit_grad(prep.logp), seq_log_ratio_cap)
     return _clip_objective(
         prep,
         clip_lr,
@@ -498,6 +577,7 @@ def sat_gspo(
     hill_exponent: float = 2.0,
     kernel: Kernel | None = None,
     quantile_method: str = "auto",
+    seq_log_ratio_cap: float | None = _base.SEQ_LOG_RATIO_CAP,
     aggregation: str = "token-mean",
     token_weights=None,
     axis_name=None,
@@ -506,13 +586,17 @@ def sat_gspo(
 
     The clipped quantity and the staleness score are both ρ_b (d = sg(log ρ_b)), broadcast to the
     response's active tokens; the quantile is over active tokens, so long responses weigh more.
-    With the gate off it is bit-identical to :func:`gspo` at the same ε. Defaults are the paper's
-    (ε = 0.2/0.2, α = 0.9, Hill p = 2). Metrics as :func:`sat`.
+    With the gate off it is bit-identical to :func:`gspo` at the same ε and cap. Defaults are the
+    paper's (ε = 0.2/0.2, α = 0.9, Hill p = 2). Metrics as :func:`sat`.
+
+    ``seq_log_ratio_cap`` caps log ρ_b as in :func:`gspo` (default 10), for the clipped quantity
+    and the score alike. Capping cannot change q unless q ≥ cap, where SAT cannot bind anyway.
     """
     _check_clip(eps_low, eps_high)
     _check_sat(alpha, hill_exponent, kernel)
+    _check_seq_cap(seq_log_ratio_cap)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
-    seq_lr = _sequence_scores(prep)
+    seq_lr = _sequence_scores(prep, seq_log_ratio_cap)
     # The score is constant over a response, so the token-level quantile is a quantile of the B
     # sequence scores weighted by their active-token counts: one pass over [B], not [B, T].
     counts = jnp.sum(prep.mask.astype(jnp.int32), axis=1)
@@ -542,6 +626,7 @@ def seqclip(
     high: float = 1.005,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
+    seq_log_ratio_cap: float | None = _base.SEQ_LOG_RATIO_CAP,
     aggregation: str = "token-mean",
     token_weights=None,
     axis_name=None,
@@ -550,14 +635,16 @@ def seqclip(
 
         S_bt = 1[low ≤ ρ_b ≤ high] · min(ρ_b·A, clip(ρ_b, 1 − ε_low, 1 + ε_high)·A)
 
-    Responses whose sequence ratio leaves [low, high] are dropped whole. ε defaults follow
-    :func:`gspo`. Metrics add ``seqclip/kept_frac`` (share of active tokens kept).
+    Responses whose sequence ratio leaves [low, high] are dropped whole. ε defaults and
+    ``seq_log_ratio_cap`` (on log ρ_b, default 10) follow :func:`gspo`. Metrics add
+    ``seqclip/kept_frac`` (share of active tokens kept).
     """
     _base.check_hparam("low", low, low=0.0, low_open=True)
     _base.check_hparam("high", high, low=low if isinstance(low, (int, float)) else None)
     _check_clip(eps_low, eps_high)
+    _check_seq_cap(seq_log_ratio_cap)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
-    seq = _sequence_log_ratio(prep)
+    seq = _sequence_log_ratio(prep, seq_log_ratio_cap)
     rho = jnp.exp(jax.lax.stop_gradient(seq))
     keep = (rho >= low) & (rho <= high)
     return _clip_objective(
