@@ -29,10 +29,16 @@ def _lr(logp, beh, mask):
     return np.where(mask, np.clip(logp - beh, -CLAMP, CLAMP), 0.0)
 
 
-def _seq_lr(logp, beh, mask):
+SEQ_CAP = 10.0
+
+
+def _seq_lr(logp, beh, mask, cap=SEQ_CAP):
+    """Sequence log-ratio: mean of ±20-clamped token log-ratios, then capped above at ``cap``."""
     lr = _lr(logp, beh, mask)
     n = mask.sum(1)
     seq = np.where(n > 0, lr.sum(1) / np.maximum(n, 1), 0.0)
+    if cap is not None:
+        seq = np.minimum(seq, cap)
     return np.broadcast_to(seq[:, None], logp.shape)
 
 
@@ -43,6 +49,10 @@ def aggregate(values, mask, mode):
         return x.sum() / max(m.sum(), 1.0)
     if mode == "seq-mean-token-sum-norm":
         return x.sum() / (x.shape[0] * x.shape[1])
+    if mode == "seq-mean-token-sum-norm-active":
+        return x.sum() / (max((m.sum(1) > 0).sum(), 1) * x.shape[1])
+    if mode == "seq-sum-token-sum-norm":
+        return x.sum() / x.shape[1]
     n = m.sum(1)
     active = n > 0
     if not active.any():
@@ -101,21 +111,23 @@ def surrogate(name, logp, beh, adv, mask, frozen, **hp):
         _, _, cm, cp = sat_factors(d, mask, hp.get("alpha", 0.9), hp.get("hill_exponent", 2.0))
         r = np.exp(_lr(logp, beh, mask))
         return clipped(r, adv, 1 - el * cm, 1 + eh * cp, hp.get("dual_clip"))
+    cap = hp.get("seq_log_ratio_cap", SEQ_CAP)
     if name == "gspo":
-        rho = np.exp(_seq_lr(logp, beh, mask))
+        rho = np.exp(_seq_lr(logp, beh, mask, cap))
         return clipped(rho, adv, 1 - el, 1 + eh)
     if name == "gspo_token":
-        log_s = _seq_lr(frozen, beh, mask) + logp - frozen
+        log_s = _seq_lr(frozen, beh, mask, None) + logp - frozen
+        log_s = log_s if cap is None else np.minimum(log_s, cap)  # capped after the sum
         return clipped(np.exp(log_s), adv, 1 - el, 1 + eh)
     if name == "sat_gspo":
-        d = _seq_lr(frozen, beh, mask)
+        d = _seq_lr(frozen, beh, mask, cap)
         _, _, cm, cp = sat_factors(d, mask, hp.get("alpha", 0.9), hp.get("hill_exponent", 2.0))
-        rho = np.exp(_seq_lr(logp, beh, mask))
+        rho = np.exp(_seq_lr(logp, beh, mask, cap))
         return clipped(rho, adv, 1 - el * cm, 1 + eh * cp)
     if name == "seqclip":
-        rho0 = np.exp(_seq_lr(frozen, beh, mask))
+        rho0 = np.exp(_seq_lr(frozen, beh, mask, cap))
         keep = (rho0 >= hp.get("low", 0.995)) & (rho0 <= hp.get("high", 1.005))
-        rho = np.exp(_seq_lr(logp, beh, mask))
+        rho = np.exp(_seq_lr(logp, beh, mask, cap))
         return np.where(keep, clipped(rho, adv, 1 - el, 1 + eh), 0.0)
     if name == "dppo":
         r0 = np.exp(_lr(frozen, beh, mask))
@@ -127,6 +139,9 @@ def surrogate(name, logp, beh, adv, mask, frozen, **hp):
             disc = bern_kl(mu, np.exp(frozen))
             delta = hp.get("delta", 0.05)
         dropped = (adv * (r0 - 1) > 0) & (disc > delta)
+        if hp.get("variant", "paper") == "verl":  # mask instead of clip, detached capped weight
+            w = np.minimum(r0, hp.get("ratio_cap", 20.0))
+            return np.where(dropped, 0.0, w * adv * (1.0 + logp - frozen))
         r = np.exp(_lr(logp, beh, mask))
         return np.where(dropped, 0.0, clipped(r, adv, 1 - el, 1 + eh))
     if name == "spo":

@@ -25,6 +25,7 @@ CASES = [
     ("dppo", {}),
     ("dppo", {"delta": 0.02}),
     ("dppo", {"divergence": "kl", "delta": 0.002}),
+    ("dppo", {"variant": "verl", "delta": 0.02, "ratio_cap": 1.1}),
     ("spo", {}),
     ("drpo", {"delta": 0.05}),
 ]
@@ -61,7 +62,10 @@ def test_matches_numpy_reference(name, hp, aggregation):
         assert np.all(np.isfinite(got_g))
 
 
-@pytest.mark.parametrize("aggregation", ["seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("aggregation", [
+    "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-sum-norm-active",
+    "seq-sum-token-sum-norm",
+])
 def test_other_aggregations_match_reference(aggregation):
     logp, beh, adv, mask = _inputs(2, False)
     clean = np.where(mask, logp, 0.0)
