@@ -231,7 +231,9 @@ def ppo(
 
     With ``dual_clip=c`` (> 1), negative-advantage tokens are also bounded below, S = max(S, c·A)
     for A < 0 (Ye et al. 2020), the one baseline that bounds large ratios on negative advantages.
-    Defaults ε = 0.2/0.2 as in the paper; DAPO's clip-higher is 0.2/0.28.
+    Defaults ε = 0.2/0.2 as in the paper; DAPO's clip-higher is 0.2/0.28. verl's ``vanilla`` loss
+    always applies the dual clip (``clip_ratio_c=3``): pass ``dual_clip=3.0`` to reproduce it;
+    tunix's ``grpo`` applies it only when ``epsilon_c`` is set (docs/losses.md).
 
     Metrics: mismatch (d̄_π), k1, k3, log_ratio_var, mismatch_max, clip_frac(_upper/_lower),
     ratio_mean (and dual_clip_frac).

@@ -226,6 +226,7 @@ EQUIVALENT = [  # (ours, peer, peer's mode, peer kwargs, batch has an empty row)
     ("seq-mean-token-sum-norm-active", "verl_late", "seq-mean-token-sum-norm", {}, True),
     ("seq-mean-token-sum-norm-active", "tunix", "sequence-mean-token-scale", {}, True),
     ("seq-sum-token-sum-norm", "verl_early", "seq-mean-token-sum-norm", {}, True),
+    ("seq-sum-token-sum-norm", "tunix", "sequence-mean-token-sum-norm", {"norm": T}, True),
 ]
 
 
