@@ -119,7 +119,8 @@ def main():
     if not args.quick:
         shapes += [
             (2, 128, 64, 32768, (16, 64), jnp.bfloat16),
-            (1, 64, 64, 151936, (8, 32), jnp.float32),  # Qwen3's vocabulary
+            # Qwen3's vocabulary. B·n ≫ d as in training, else ∂W [d, V] alone is logits-sized.
+            (2, 128, 32, 151936, (16, 64), jnp.float32),
         ]
     out = {
         "backend": jax.default_backend(),

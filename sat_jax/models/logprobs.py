@@ -93,6 +93,11 @@ def chunked_logprobs(
     ``chunk_size`` the tail is padded (zero states, −∞ cut-offs) and the padded columns dropped;
     ``chunk_size ≥ n`` is one chunk.
 
+    Choosing ``chunk_size``: memory is a few (about 4 under ``grad``, 6 under ``value_and_grad`` on
+    XLA:CPU) float32 [B, chunk_size, V] buffers plus ∂W [d, V]; every chunk also re-reads W and
+    adds into ∂W, so keep B · chunk_size at a few hundred tokens or more, where that traffic is
+    small next to the chunk's matmuls (``benchmarks/logprobs.py``).
+
     Args:
       hidden: [B, n, d] float hidden states (``Transformer(..., return_hidden=True).hidden``).
       head_weight: [d, V] float output projection (``Transformer.lm_head_weight()``); cast to

@@ -227,3 +227,19 @@ def test_bad_shapes_raise_naming_the_argument(core_inputs):
         chunked_logprobs(hidden, w, targets, cutoffs=cutoffs[:, 1:], chunk_size=4)
     with pytest.raises(ValueError, match="hidden"):
         chunked_logprobs(hidden[0], w, targets, chunk_size=4)
+
+
+def test_vmaps_over_a_leading_run_axis(core_inputs):
+    # The trainer vmaps its step over stacked runs; the chunked path must batch like the full one.
+    hidden, w, targets, cutoffs = core_inputs
+    ws = jnp.stack([w, 2.0 * w])
+
+    def one(w_):
+        return chunked_logprobs(hidden, w_, targets, cutoffs=cutoffs, temperature=TEMP,
+                                chunk_size=4)
+
+    got = jax.vmap(one)(ws)
+    for i in range(2):
+        ref = full_logprobs(hidden, ws[i], targets, cutoffs, TEMP)
+        np.testing.assert_allclose(got[0][i], ref[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got[1][i], ref[1], rtol=1e-5, atol=1e-6)
