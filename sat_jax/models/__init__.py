@@ -19,7 +19,12 @@ from sat_jax.models.layers import (
     routing_gates,
     select_experts,
 )
-from sat_jax.models.logprobs import apply_support_cutoff, scale_logits, token_logprobs
+from sat_jax.models.logprobs import (
+    apply_support_cutoff,
+    chunked_logprobs,
+    scale_logits,
+    token_logprobs,
+)
 from sat_jax.models.sharding import sharding_rules
 from sat_jax.models.transformer import (
     ForwardOutput,
@@ -38,6 +43,7 @@ __all__ = [
     "RMSNorm",
     "Transformer",
     "apply_support_cutoff",
+    "chunked_logprobs",
     "config_from_hf",
     "config_to_hf",
     "graphdef_for",

@@ -6,12 +6,20 @@ call it, so that temperature and truncation are applied identically:
     ℓ̃ = logits / temperature                        (float32)
     ℓ̃(a) ← −∞  where ℓ̃(a) < cutoff                  (support replay, Eq. 50)
     π(a | s) = softmax(ℓ̃)(a)
+
+The log-prob of the sampled token needs only one entry of each row, so ``chunked_logprobs`` never
+builds the [B, T, V] logits: it runs the LM head and the log-softmax over chunks of positions under
+``lax.scan``, each chunk wrapped in ``jax.checkpoint`` so that the backward pass recomputes the
+chunk's logits instead of storing them. Peak memory is O(B · chunk · V), not O(B · T · V).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from sat_jax.models import _checks
@@ -47,8 +55,115 @@ def apply_support_cutoff(
 
 def _entropy(log_probs: jax.Array) -> jax.Array:
     p = jnp.exp(log_probs)
-    # −Σ p log p with 0·(−∞) := 0 for tokens outside the support.
-    return -jnp.sum(jnp.where(p > 0, p * log_probs, 0.0), axis=-1)
+    # −Σ p log p with 0·(−∞) := 0 for tokens outside the support. The −∞ is replaced before the
+    # product (not after), so that its gradient is 0 rather than 0·∞ = NaN.
+    return -jnp.sum(p * jnp.where(p > 0, log_probs, 0.0), axis=-1)
+
+
+def _check_chunk_size(chunk_size) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
+        raise ValueError(f"chunk_size must be a positive Python int, got {chunk_size!r}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive Python int, got {chunk_size}")
+    return int(chunk_size)
+
+
+def chunked_logprobs(
+    hidden: jax.Array,
+    head_weight: jax.Array,
+    targets: jax.Array,
+    *,
+    cutoffs: jax.Array | None = None,
+    temperature: float | jax.Array = 1.0,
+    chunk_size: int,
+) -> tuple[jax.Array, jax.Array]:
+    """log π(y | s) and entropy from hidden states, chunk by chunk, never holding [B, n, V].
+
+    For each position i (h_i the final-normed hidden state, W the LM head [d, V]):
+
+        ℓ_i = h_i · W                              (compute dtype of h, float32 accumulation)
+        ℓ̃_i = scale_logits(ℓ_i, temperature), then support replay (Eq. 50) with y_i kept
+        logp_i = log softmax(ℓ̃_i)(y_i),   entropy_i = −Σ_a π(a) log π(a)
+
+    exactly as ``token_logprobs``' full path, but over chunks of ``chunk_size`` positions inside
+    ``lax.scan``, each chunk under ``jax.checkpoint``: the backward pass recomputes one chunk's
+    logits at a time (and accumulates ∂W in float32 across chunks), so peak memory is
+    O(B · chunk_size · V) instead of O(B · n · V). Chunks run along the sequence axis and keep the
+    batch axis whole, so a batch sharded over devices stays sharded. When n is not a multiple of
+    ``chunk_size`` the tail is padded (zero states, −∞ cut-offs) and the padded columns dropped;
+    ``chunk_size ≥ n`` is one chunk.
+
+    Choosing ``chunk_size``: memory is a few (about 4 under ``grad``, 6 under ``value_and_grad`` on
+    XLA:CPU) float32 [B, chunk_size, V] buffers plus ∂W [d, V]; every chunk also re-reads W and
+    adds into ∂W, so keep B · chunk_size at a few hundred tokens or more, where that traffic is
+    small next to the chunk's matmuls (``benchmarks/logprobs.py``).
+
+    Args:
+      hidden: [B, n, d] float hidden states (``Transformer(..., return_hidden=True).hidden``).
+      head_weight: [d, V] float output projection (``Transformer.lm_head_weight()``); cast to
+        ``hidden.dtype`` for the matmul.
+      targets: [B, n] int token ids in [0, V) to score.
+      cutoffs: [B, n] float32 support cut-offs per position (Eq. 50), −∞ = no truncation; None
+        keeps the whole vocabulary. The target is always kept.
+      temperature: logits are divided by it (as ``scale_logits``) before everything else.
+      chunk_size: positions per chunk, a positive Python int.
+    Returns:
+      logp: [B, n] float32; entropy: [B, n] float32.
+    """
+    chunk_size = _check_chunk_size(chunk_size)
+    _checks.check_rank("hidden", hidden, 3)
+    _checks.check_rank("head_weight", head_weight, 2)
+    b, n, d = hidden.shape
+    if n == 0:
+        raise ValueError(f"hidden must hold at least one position, got shape {hidden.shape}")
+    _checks.check_shape("head_weight", head_weight, (d, None))
+    _checks.check_shape("targets", targets, (b, n))
+    _checks.check_integer("targets", targets)
+    _checks.check_token_ids("targets", targets, head_weight.shape[1])
+    if cutoffs is not None:
+        _checks.check_shape("cutoffs", cutoffs, (b, n))
+
+    c = min(chunk_size, n)
+    num_chunks = -(-n // c)
+    pad = num_chunks * c - n
+    targets = targets.astype(jnp.int32)
+    if cutoffs is not None:
+        cutoffs = cutoffs.astype(jnp.float32)
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+        if cutoffs is not None:
+            cutoffs = jnp.pad(cutoffs, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+
+    def by_chunk(x):  # [B, num_chunks·c, ...] → [num_chunks, B, c, ...], the scan axis first
+        return jnp.moveaxis(x.reshape((b, num_chunks, c) + x.shape[2:]), 1, 0)
+
+    xs = (by_chunk(hidden), by_chunk(targets), None if cutoffs is None else by_chunk(cutoffs))
+    temperature = jnp.asarray(temperature, jnp.float32)
+
+    # prevent_cse=False: inside scan, CSE cannot merge the recomputation with the forward pass.
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def one_chunk(w, temp, h, y, cut):
+        # The cast sits inside the chunk, so ∂W is accumulated across chunks in W's float32.
+        logits = jax.lax.dot_general(
+            h, w.astype(h.dtype), (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        scaled = scale_logits(logits, temp)
+        if cut is not None:
+            scaled = apply_support_cutoff(scaled, cut, keep=y)
+        log_probs = jax.nn.log_softmax(scaled, axis=-1)
+        logp = jnp.take_along_axis(log_probs, y[..., None], axis=-1)[..., 0]
+        return logp, _entropy(log_probs)
+
+    def body(carry, x):
+        return carry, one_chunk(head_weight, temperature, *x)
+
+    _, (logp, entropy) = jax.lax.scan(body, None, xs)
+
+    def unchunk(x):  # [num_chunks, B, c] → [B, n]
+        return jnp.moveaxis(x, 0, 1).reshape(b, num_chunks * c)[:, :n]
+
+    return unchunk(logp), unchunk(entropy)
 
 
 def token_logprobs(
@@ -61,6 +176,7 @@ def token_logprobs(
     routing: jax.Array | None = None,
     cutoffs: jax.Array | None = None,
     temperature: float | jax.Array = 1.0,
+    chunk_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Per-token log π(y_t | s_t) and entropies of a batch of sequences, differentiable in params.
 
@@ -77,7 +193,14 @@ def token_logprobs(
     ``out.behavior_logp``, ``out.response_mask``, ``out.cutoffs`` and ``out.versions`` ([B, N]).
 
     Pure and jit/vmap/grad-friendly: ``graphdef`` is static (a pytree without leaves),
-    ``response_start`` must be a Python int (mark it static under ``jax.jit``).
+    ``response_start`` and ``chunk_size`` must be Python ints (mark them static under ``jax.jit``).
+
+    ``chunk_size=None`` materialises the [B, T − s, V] logits (float32) and takes one log-softmax.
+    An int computes the same quantities with ``chunked_logprobs`` from the model's hidden states,
+    ``chunk_size`` positions at a time with recomputation in the backward pass: peak memory
+    O(B · chunk_size · V). Values and gradients agree with the full path (to float32 rounding);
+    in bfloat16 compute the chunked path is the more accurate one, since its head matmul
+    accumulates and returns float32 where the full path rounds the logits to bfloat16.
 
     Args:
       graphdef: from ``init_model`` / ``graphdef_for``; its config fixes compute dtype and remat.
@@ -90,6 +213,7 @@ def token_logprobs(
       cutoffs: [B, T − s] float32 support cut-offs per scored token (Eq. 50), −∞ = no truncation.
         The scored token itself is always kept in the support.
       temperature: the sampler's temperature; logits are divided by it before everything else.
+      chunk_size: None (full logits) or positions per chunk, a positive Python int.
     Returns:
       logp: [B, T − s] float32.
       entropy: [B, T − s] float32, entropy of the (replayed-support) distribution at each position.
@@ -110,6 +234,8 @@ def token_logprobs(
     n = t - response_start
     if cutoffs is not None:
         _checks.check_shape("cutoffs", cutoffs, (b, n))
+    if chunk_size is not None:
+        chunk_size = _check_chunk_size(chunk_size)
 
     model = nnx.merge(graphdef, params)
     _checks.check_token_ids("tokens", tokens, model.config.vocab_size, where=input_mask)
@@ -118,17 +244,28 @@ def token_logprobs(
         input_mask=input_mask[:, :-1],
         routing=routing,
         logits_from=response_start - 1,
+        return_hidden=chunk_size is not None,
     )
-    scaled = scale_logits(out.logits, temperature)  # [B, n, V]
     targets = tokens[:, response_start:]
-    if cutoffs is not None:
-        scaled = apply_support_cutoff(scaled, cutoffs.astype(jnp.float32), keep=targets)
-    log_probs = jax.nn.log_softmax(scaled, axis=-1)
-    logp = jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    if chunk_size is None:
+        scaled = scale_logits(out.logits, temperature)  # [B, n, V]
+        if cutoffs is not None:
+            scaled = apply_support_cutoff(scaled, cutoffs.astype(jnp.float32), keep=targets)
+        log_probs = jax.nn.log_softmax(scaled, axis=-1)
+        logp = jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), axis=-1)
+        logp, entropy = logp[..., 0], _entropy(log_probs)
+    else:
+        # Ids under input_mask were checked above; padding slots may hold any id, so clamp them
+        # rather than let chunked_logprobs' own range check reject them.
+        vocab = model.config.vocab_size
+        logp, entropy = chunked_logprobs(
+            out.hidden, model.lm_head_weight(), jnp.clip(targets, 0, vocab - 1), cutoffs=cutoffs,
+            temperature=temperature, chunk_size=chunk_size,
+        )
     aux = {
         "routing": out.routing,
         "load_balancing_loss": out.load_balancing_loss,
         "aux_loss": model.config.router_aux_loss_coef * out.load_balancing_loss,
     }
-    return logp, _entropy(log_probs), aux
+    return logp, entropy, aux
 

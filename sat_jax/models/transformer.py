@@ -34,18 +34,21 @@ class ForwardOutput(NamedTuple):
     """What one forward pass returns.
 
     Attributes:
-      logits: [B, T − logits_from, V] float32.
+      logits: [B, T − logits_from, V] float32; None with ``return_hidden=True``.
       routing: [num_moe_layers, B, T, k] int32, the expert indices each MoE layer used (the replayed
         ones when ``routing`` was passed).
       load_balancing_loss: scalar float32, Switch loss averaged over MoE layers (fresh top-k), over
         tokens with ``input_mask``; unscaled by ``router_aux_loss_coef``.
       cache: per-layer ``LayerCache`` tuple when a cache was passed, else None.
+      hidden: [B, T − logits_from, d] final-RMSNorm'd hidden states in the compute dtype with
+        ``return_hidden=True`` (the LM head is then skipped), else None.
     """
 
-    logits: jax.Array
+    logits: jax.Array | None
     routing: jax.Array
     load_balancing_loss: jax.Array
     cache: tuple[LayerCache, ...] | None
+    hidden: jax.Array | None = None
 
 
 def positions_from_mask(input_mask: jax.Array) -> jax.Array:
@@ -112,6 +115,7 @@ class Transformer(nnx.Module):
         cache_index: jax.Array | int = 0,
         kv_mask: jax.Array | None = None,
         logits_from: int = 0,
+        return_hidden: bool = False,
     ) -> ForwardOutput:
         """Forward pass; capture routing always, replay it (R3, Eq. 40) when ``routing`` is given.
 
@@ -127,6 +131,8 @@ class Transformer(nnx.Module):
             already mark this call's own slots).
           logits_from: static; compute logits only for positions t ≥ logits_from (saves the LM head
             on prompts).
+          return_hidden: static; skip the LM head and return the normed hidden states instead
+            (``logits`` None), for log-probs computed chunk by chunk (``chunked_logprobs``).
         Returns:
           ``ForwardOutput``.
         """
@@ -179,7 +185,9 @@ class Transformer(nnx.Module):
                 lb.append(load_balancing_loss(z, k, input_mask))
                 moe_i += 1
         h = self.norm(x[:, logits_from:])
-        if self.lm_head is None:
+        if return_hidden:
+            logits = None
+        elif self.lm_head is None:
             logits = jnp.dot(h, self.embed_tokens[...].astype(h.dtype).T)
         else:
             logits = self.lm_head(h)
@@ -190,11 +198,18 @@ class Transformer(nnx.Module):
             routing_out = jnp.zeros((0, b, t, k), jnp.int32)
             lb_loss = jnp.zeros((), jnp.float32)
         return ForwardOutput(
-            logits=logits.astype(jnp.float32),
+            logits=None if logits is None else logits.astype(jnp.float32),
             routing=routing_out,
             load_balancing_loss=lb_loss,
             cache=None if cache is None else tuple(new_cache),
+            hidden=h if return_hidden else None,
         )
+
+    def lm_head_weight(self) -> jax.Array:
+        """The output projection W [d, V] float32: logits = h · W (``embed_tokens``ᵀ when tied)."""
+        if self.lm_head is None:
+            return self.embed_tokens[...].T
+        return self.lm_head.kernel[...]
 
 
 def init_model(config: ModelConfig, seed: int | jax.Array = 0) -> tuple[nnx.GraphDef, nnx.State]:
