@@ -250,3 +250,17 @@ def named_shardings(specs, mesh) -> Any:
 def cache_spec(mesh) -> P:
     """KV cache [L, B, S, kv_heads, head_dim]: batch over (data, fsdp), KV heads over tensor."""
     return spec_for(("layers", "batch", "length", "kv_heads", "head_dim"), mesh)
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint of an activation by logical axes, under the mesh being traced for.
+
+    Inside ``jax.sharding.use_abstract_mesh(mesh.abstract_mesh)`` (the trainer step sets it) this
+    pins e.g. the residual stream to ``("batch", None, None)`` so that GSPMD all-gathers FSDP
+    weights where they are used instead of resharding activations to the weights' layout; with
+    no mesh in context (the sampler, plain calls) it is the identity.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(BATCH_AXES) & set(mesh.axis_names):
+        return x
+    return jax.lax.with_sharding_constraint(x, spec_for(logical, mesh))

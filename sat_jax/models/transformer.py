@@ -212,7 +212,11 @@ class Transformer(nnx.Module):
         if not 0 <= logits_from < t:
             raise ValueError(f"logits_from must lie in [0, {t}), got {logits_from}")
 
-        x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(cfg.dtype)
+        act = ("batch", None, None)
+        # FSDP: gather the table (a parameter-sized all-gather) and look up locally; left to
+        # itself GSPMD would instead move token-sized activations and ids to the table's layout.
+        table = _sharding.constrain(self.embed_tokens[...], ("vocab", None))
+        x = _sharding.constrain(jnp.take(table, tokens, axis=0).astype(cfg.dtype), act)
         used, lb = [], []
         for moe, start, stop in cfg.layer_runs:
             ids = (cfg.moe_layer_ids if moe else cfg.dense_layer_ids)[start:stop]
@@ -224,11 +228,12 @@ class Transformer(nnx.Module):
             if moe:
                 used.append(idx)
                 lb.append(lbl)
-        h = self.norm(x[:, logits_from:])
+        h = _sharding.constrain(self.norm(x[:, logits_from:]), act)
         if return_hidden:
             logits, hidden = None, h
         else:
-            logits = jnp.dot(h, self.lm_head_weight().astype(h.dtype)).astype(jnp.float32)
+            w = _sharding.constrain(self.lm_head_weight(), (None, "vocab"))
+            logits = jnp.dot(h, w.astype(h.dtype)).astype(jnp.float32)
             hidden = None
         if used:
             routing_out = jnp.concatenate(used, axis=0)
@@ -259,6 +264,7 @@ class Transformer(nnx.Module):
             layer_state, layer, rp = xs
             block = nnx.merge(graphdef, layer_state)
             x, c, idx, z = block(x, positions, kv_mask, c, cache_index, layer, rp)
+            x = _sharding.constrain(x, ("batch", None, None))
             lbl = None if z is None else load_balancing_loss(z, k, input_mask)
             return (x, c), (idx, lbl)
 
