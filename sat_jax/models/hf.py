@@ -34,7 +34,8 @@ Loading places every parameter straight into its sharded layout
 and the callback reads exactly that slice of the HF tensors it covers from the memory-mapped
 safetensors files (``get_slice``), transposed and cast to ``param_dtype``. No device holds more
 than its shard; a shard replicated on several devices is read once, so host memory peaks at the
-distinct shards of one parameter (one copy of it). Saving gathers one block row of one parameter at a time (one layer's expert stack).
+distinct shards of one parameter (one copy of it). Saving gathers one block row of one parameter
+at a time (one layer's expert stack).
 
 The numerics match ``transformers``' ``Qwen3MoeForCausalLM`` / ``Qwen3ForCausalLM`` (Yang et al.
 2025, "Qwen3 Technical Report"): see ``tests/hf/test_parity.py``.

@@ -204,7 +204,7 @@ def _constrain(tree, shardings):
 
 
 def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, mesh,
-                    donate: bool = True):
+                    donate: bool = False):
     """Builds the update ``step(state, batch, extra) -> (state, metrics)``.
 
     Layout on ``mesh`` (``sat_jax.parallel.make_mesh``: axes data, fsdp, expert, tensor):
@@ -227,9 +227,13 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
     ``extra`` is a dict with ``"old"`` (behaviour-version parameters, when the spec needs a
     recompute) and ``"ref"`` (reference parameters, when ``kl_coef > 0``).
 
-    Donation: with ``donate`` the optimizer state's buffers are donated (updated in place). The
-    parameters are not: the snapshot store keeps earlier parameter versions (the behaviour
-    policy of stale rollouts) by reference, so the input parameters must survive the step.
+    Donation: with ``donate`` the optimizer state's buffers are donated (updated in place, no
+    second copy of the moments at the step's peak); the caller must then not reuse the input
+    state's optimizer state (the learner does not: it replaces the state by the step's output,
+    and checkpoints copy to host before returning). The parameters are never donated: the
+    snapshot store keeps earlier parameter versions (the behaviour policy of stale rollouts) by
+    reference, so the input parameters must survive the step. Off by default so that callers
+    that step one state twice (tests, studies) keep working.
 
     Raises (while tracing, before anything compiles):
       ValueError: the mesh does not divide the model or the batch, naming the axis and the

@@ -81,7 +81,7 @@ def _run(mesh_kwargs, graphdef, batch):
     mesh = parallel.make_mesh(**mesh_kwargs)
     _, params = init_model(CFG, seed=0, mesh=mesh)
     state = trainer.init_train_state(params, OPT, mesh, config=CFG)
-    step = trainer.make_train_step(graphdef, OPT, SPEC, prompt_width=P_W, mesh=mesh)
+    step = trainer.make_train_step(graphdef, OPT, SPEC, prompt_width=P_W, mesh=mesh, donate=True)
     placed = parallel.shard_batch(batch, trainer.BATCH_SPECS, mesh)
     before = {"opt": _device_bytes(state.opt_state),
               "shardings": [x.sharding for x in jax.tree.leaves(state)]}
@@ -255,3 +255,15 @@ def test_qwen3_30b_a3b_width_train_step_compiles_abstractly():
     mem = compiled.memory_analysis()
     if mem is not None:  # per-device arguments: 1/8 of parameters + 2 Adam moments (f32)
         assert mem.argument_size_in_bytes < 1.1 * 3 * 4 * n_params / 8 + 1e8
+
+
+def test_kv_cache_is_created_sharded():
+    from sat_jax.models import init_cache
+
+    mesh = parallel.make_mesh(num_data=2, fsdp=2, tensor=2)
+    cache = init_cache(CFG, 8, 16, mesh=mesh)
+    assert cache.k.shape == (CFG.num_layers, 8, 16, CFG.num_kv_heads, CFG.head_dim)
+    assert cache.k.sharding.spec == P_(None, ("data", "fsdp"), None, "tensor")
+    assert cache.v.addressable_shards[0].data.shape == (CFG.num_layers, 2, 16, 1, CFG.head_dim)
+    with pytest.raises(ValueError, match=r"batch size=6"):
+        init_cache(CFG, 6, 16, mesh=mesh)
