@@ -1,7 +1,11 @@
 """Mesh construction, data-parallel placement and multi-host initialisation.
 
-Data parallelism is a 1-D mesh with axis ``data``: batches are sharded along their batch axis,
-parameters replicated. On several hosts every process runs the same program, holds its own shard
+The mesh has four axes, ``(data, fsdp, expert, tensor)`` (``MESH_AXES``), any of them of size 1:
+the batch is split over ``data × fsdp``; parameters are split by the table of
+``sat_jax.models.sharding`` (FSDP over ``fsdp``, experts over ``expert``, heads and widths over
+``tensor``) and replicated over ``data``. Plain data parallelism is the special case
+``fsdp = expert = tensor = 1``: batches sharded along their batch axis, parameters replicated.
+On several hosts every process runs the same program, holds its own shard
 of each global batch, and ``jax.make_array_from_process_local_data`` assembles the global array.
 """
 
@@ -18,6 +22,10 @@ from jax.sharding import PartitionSpec as P
 _log = logging.getLogger(__name__)
 
 DATA = "data"
+FSDP = "fsdp"
+EXPERT = "expert"
+TENSOR = "tensor"
+MESH_AXES = (DATA, FSDP, EXPERT, TENSOR)
 
 
 def maybe_initialize_distributed(mode: str = "auto", coordinator_address: str | None = None,
@@ -57,16 +65,35 @@ def maybe_initialize_distributed(mode: str = "auto", coordinator_address: str | 
     return True
 
 
-def make_mesh(num_data: int = -1, devices=None) -> jax.sharding.Mesh:
-    """A 1-D ``data`` mesh over ``num_data`` devices (-1: all devices, over all hosts)."""
+def make_mesh(num_data: int = -1, devices=None, *, fsdp: int = 1, expert: int = 1,
+              tensor: int = 1) -> jax.sharding.Mesh:
+    """A ``(data, fsdp, expert, tensor)`` mesh of ``num_data · fsdp · expert · tensor`` devices.
+
+    Args:
+      num_data: size of the ``data`` axis; -1 uses every device (over all hosts) left after the
+        other axes.
+      devices: the devices to use (default ``jax.devices()``), in mesh order: ``tensor`` varies
+        fastest, so tensor-parallel groups are neighbouring devices.
+      fsdp, expert, tensor: sizes of the other axes (1: that kind of parallelism is off).
+    Raises:
+      ValueError: naming the axis, for a non-positive size or more devices than available.
+    """
     devices = list(jax.devices() if devices is None else devices)
-    n = len(devices) if num_data == -1 else num_data
-    if not 1 <= n <= len(devices):
-        raise ValueError(f"mesh needs {n} devices, {len(devices)} available")
+    for name, size in (("fsdp", fsdp), ("expert", expert), ("tensor", tensor)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"mesh axis {name!r} must have a positive size, got {size!r}")
+    inner = fsdp * expert * tensor
+    n = len(devices) // inner if num_data == -1 else num_data
+    if n < 1 or n * inner > len(devices):
+        raise ValueError(
+            f"mesh (data={num_data}, fsdp={fsdp}, expert={expert}, tensor={tensor}) needs "
+            f"{max(n, 1) * inner} devices, {len(devices)} available"
+        )
+    grid = np.array(devices[: n * inner]).reshape(n, fsdp, expert, tensor)
     # Auto axes: placement comes from the inputs' NamedShardings and shard_map's specs, so code that
     # is not sharding-aware (the sampler's cache updates) runs unchanged on replicated inputs.
-    return jax.sharding.Mesh(np.array(devices[:n]), (DATA,),
-                             axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.sharding.Mesh(grid, MESH_AXES,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 def replicate(tree, mesh):

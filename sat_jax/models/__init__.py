@@ -1,16 +1,10 @@
-"""Flax NNX MoE decoder (Qwen3-MoE shape) with routing capture and replay (R3, Eq. 40), the
-trainer-side log-prob path with support replay (Eq. 50), Hugging Face checkpoint loading/saving and
-mesh sharding rules."""
+"""Flax NNX MoE decoder (Qwen3-MoE shape) with stacked, scanned blocks, routing capture and replay
+(R3, Eq. 40), the trainer-side log-prob path with support replay (Eq. 50), Hugging Face checkpoint
+loading/saving and the logical-axis sharding table."""
 
 from sat_jax.models.config import ModelConfig
-from sat_jax.models.hf import (
-    config_from_hf,
-    config_to_hf,
-    hf_tensor_shapes,
-    load_hf,
-    param_path,
-    save_hf,
-)
+from sat_jax.models.hf import hf_tensor_shapes, load_hf, save_hf
+from sat_jax.models.hf_config import config_from_hf, config_to_hf
 from sat_jax.models.layers import (
     LayerCache,
     RMSNorm,
@@ -25,24 +19,41 @@ from sat_jax.models.logprobs import (
     scale_logits,
     token_logprobs,
 )
-from sat_jax.models.sharding import sharding_rules
+from sat_jax.models.sharding import (
+    BATCH_AXES,
+    LOGICAL_AXIS_RULES,
+    batch_spec,
+    cache_spec,
+    check_mesh,
+    logical_axes,
+    param_path,
+    sharding_rules,
+)
 from sat_jax.models.transformer import (
     ForwardOutput,
     Transformer,
+    abstract_params,
     graphdef_for,
     init_cache,
     init_model,
     param_count,
+    param_shardings,
     positions_from_mask,
 )
 
 __all__ = [
+    "BATCH_AXES",
     "ForwardOutput",
+    "LOGICAL_AXIS_RULES",
     "LayerCache",
     "ModelConfig",
     "RMSNorm",
     "Transformer",
+    "abstract_params",
     "apply_support_cutoff",
+    "batch_spec",
+    "cache_spec",
+    "check_mesh",
     "chunked_logprobs",
     "config_from_hf",
     "config_to_hf",
@@ -52,8 +63,10 @@ __all__ = [
     "init_model",
     "load_balancing_loss",
     "load_hf",
+    "logical_axes",
     "param_count",
     "param_path",
+    "param_shardings",
     "positions_from_mask",
     "rotary",
     "routing_gates",

@@ -13,6 +13,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
+#: Accepted ``ModelConfig.remat`` policies (see ``sat_jax.models.transformer``).
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+#: Accepted ``ModelConfig.moe_impl`` values.
+MOE_IMPLS = ("auto", "dense")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -39,9 +44,15 @@ class ModelConfig:
       tie_embeddings: use the embedding matrix as the output projection.
       router_aux_loss_coef: coefficient of the Switch load-balancing loss (default 0, as in the
         paper's R3 runs); ``token_logprobs`` reports ``coef * loss`` as ``aux["aux_loss"]``.
-      dtype: compute dtype (activations and matmul inputs). Parameters are always float32.
-      remat: wrap each block in ``nnx.remat`` (``jax.checkpoint``) so long sequences fit in
-        training.
+      dtype: compute dtype (activations and matmul inputs); parameters are cast to it at use.
+      param_dtype: dtype of the master parameters (and so of gradients and, with optax's Adam,
+        of the optimizer moments); float32 by default, as mixed-precision training keeps them.
+      remat: rematerialisation policy of the scanned block body in training (no cache):
+        ``"none"``, ``"full"`` (save nothing, recompute the block), ``"dots_saveable"`` (keep
+        matmul outputs) or ``"dots_with_no_batch_dims_saveable"``; ``True`` / ``False`` are
+        accepted as ``"full"`` / ``"none"``.
+      moe_impl: MoE expert computation passed to the expert FFN as ``impl`` (``"auto"`` or
+        ``"dense"``, the reference that computes every expert for every token).
       init_std: standard deviation of the normal initialiser of embeddings and projections.
     """
 
@@ -63,12 +74,25 @@ class ModelConfig:
     tie_embeddings: bool = False
     router_aux_loss_coef: float = 0.0
     dtype: Any = jnp.float32
-    remat: bool = False
+    param_dtype: Any = jnp.float32
+    remat: str | bool = "none"
     init_std: float = 0.02
+    moe_impl: str = "auto"
 
     def __post_init__(self):
         # Normalise to a numpy dtype so that jnp.float32 and "float32" compare (and hash) equal.
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
+        remat = self.remat
+        if isinstance(remat, bool):  # the old boolean option
+            remat = "full" if remat else "none"
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"ModelConfig.remat must be one of {REMAT_POLICIES} or a bool, "
+                             f"got {self.remat!r}")
+        object.__setattr__(self, "remat", remat)
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"ModelConfig.moe_impl must be one of {MOE_IMPLS}, "
+                             f"got {self.moe_impl!r}")
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
         positive = (
             "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -94,9 +118,11 @@ class ModelConfig:
                 f"ModelConfig.mlp_only_layers={self.mlp_only_layers} must index blocks in "
                 f"[0, {self.num_layers})"
             )
-        if self.dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
-                              jnp.dtype(jnp.float16)):
-            raise ValueError(f"ModelConfig.dtype must be a float dtype, got {self.dtype}")
+        floats = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in floats:
+                raise ValueError(f"ModelConfig.{name} must be a float dtype, got "
+                                 f"{getattr(self, name)}")
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
@@ -106,6 +132,27 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return len(self.moe_layer_ids)
+
+    @property
+    def dense_layer_ids(self) -> tuple[int, ...]:
+        """Block indices that hold a dense SwiGLU (``mlp_only_layers``, sorted)."""
+        return tuple(i for i in range(self.num_layers) if i in self.mlp_only_layers)
+
+    @property
+    def layer_runs(self) -> tuple[tuple[bool, int, int], ...]:
+        """Maximal runs of consecutive blocks of one kind: ``(is_moe, start, stop)`` where
+        ``start:stop`` indexes that kind's stack (``moe_layer_ids`` or ``dense_layer_ids``).
+        The forward pass scans each run with one compiled block body."""
+        runs: list[list] = []
+        counts = {True: 0, False: 0}
+        for i in range(self.num_layers):
+            moe = i not in self.mlp_only_layers
+            if runs and runs[-1][0] == moe:
+                runs[-1][2] += 1
+            else:
+                runs.append([moe, counts[moe], counts[moe] + 1])
+            counts[moe] += 1
+        return tuple((m, a, b) for m, a, b in runs)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -7,29 +7,35 @@ A checkpoint directory holds ``config.json`` and either one ``model.safetensors`
 ``save_pretrained`` and published for Qwen3-30B-A3B(-Base). Everything here reads and writes local
 paths only.
 
-Name and layout map (HF tensor → ``Transformer`` parameter path; "ᵀ" marks a transpose because
-``torch.nn.Linear.weight`` is [out, in] while our ``Dense.kernel`` is [in, out]):
+Name and layout map (HF tensor → ``Transformer`` parameter path and index; "ᵀ" marks a transpose
+because ``torch.nn.Linear.weight`` is [out, in] while our ``Dense.kernel`` is [in, out]). Blocks
+are stacked (see ``sat_jax.models.transformer``): HF block i is row m of ``moe_layers`` when it is
+the m-th MoE block (``config.moe_layer_ids[m] == i``), row j of ``dense_layers`` when it is the
+j-th dense block; ``S`` below is that stack and row.
 
 ===============================================  =============================================
 ``model.embed_tokens.weight`` [V, d]             ``embed_tokens`` [V, d]
 ``lm_head.weight`` [V, d]                        ``lm_head.kernel`` [d, V] ᵀ (absent when tied)
 ``model.norm.weight``                            ``norm.weight``
-``model.layers.i.input_layernorm.weight``        ``layers.i.input_layernorm.weight``
-``model.layers.i.post_attention_layernorm...``   ``layers.i.post_attention_layernorm.weight``
-``model.layers.i.self_attn.{q,k,v,o}_proj...``   ``layers.i.self_attn.{q,k,v,o}_proj.kernel`` ᵀ
-``model.layers.i.self_attn.{q,k}_norm.weight``   ``layers.i.self_attn.{q,k}_norm.weight``
-``model.layers.i.mlp.gate.weight`` [E, d]        ``layers.i.mlp.gate.kernel`` [d, E] ᵀ (router)
-``model.layers.i.mlp.experts.e.gate_proj...``    ``layers.i.mlp.gate_proj[e]`` [d, f] ᵀ, stacked
-``model.layers.i.mlp.experts.e.up_proj...``      ``layers.i.mlp.up_proj[e]`` [d, f] ᵀ, stacked
-``model.layers.i.mlp.experts.e.down_proj...``    ``layers.i.mlp.down_proj[e]`` [f, d] ᵀ, stacked
-``model.layers.i.mlp.{gate,up,down}_proj...``    ``layers.i.mlp.{gate,up,down}_proj.kernel`` ᵀ
-                                                 (dense blocks: ``mlp_only_layers``, Qwen3)
+``model.layers.i.input_layernorm.weight``        ``S.input_layernorm.weight[m]``
+``model.layers.i.post_attention_layernorm...``   ``S.post_attention_layernorm.weight[m]``
+``model.layers.i.self_attn.{q,k,v,o}_proj...``   ``S.self_attn.{q,k,v,o}_proj.kernel[m]`` ᵀ
+``model.layers.i.self_attn.{q,k}_norm.weight``   ``S.self_attn.{q,k}_norm.weight[m]``
+``model.layers.i.mlp.gate.weight`` [E, d]        ``moe_layers.mlp.gate.kernel[m]`` [d, E] ᵀ
+``model.layers.i.mlp.experts.e.gate_proj...``    ``moe_layers.mlp.gate_proj[m, e]`` [d, f] ᵀ
+``model.layers.i.mlp.experts.e.up_proj...``      ``moe_layers.mlp.up_proj[m, e]`` [d, f] ᵀ
+``model.layers.i.mlp.experts.e.down_proj...``    ``moe_layers.mlp.down_proj[m, e]`` [f, d] ᵀ
+``model.layers.i.mlp.{gate,up,down}_proj...``    ``dense_layers.mlp.{gate,up,down}_proj.kernel[j]``
+                                                 ᵀ (dense blocks: ``mlp_only_layers``, Qwen3)
 ===============================================  =============================================
 
-Loading streams tensor by tensor (``safetensors.safe_open``, memory-mapped): each parameter is read,
-transposed / stacked, cast to ``param_dtype`` and placed on its device(s) before the next one is
-read, so host memory peaks at one parameter (one layer's expert stack) rather than a second copy of
-the model. Saving gathers one shard at a time.
+Loading places every parameter straight into its sharded layout
+(``sat_jax.models.sharding``): ``jax.make_array_from_callback`` asks for each device's shard,
+and the callback reads exactly that slice of the HF tensors it covers from the memory-mapped
+safetensors files (``get_slice``), transposed and cast to ``param_dtype``. No device holds more
+than its shard; a shard replicated on several devices is read once, so host memory peaks at the
+distinct shards of one parameter (one copy of it). Saving gathers one block row of one parameter
+at a time (one layer's expert stack).
 
 The numerics match ``transformers``' ``Qwen3MoeForCausalLM`` / ``Qwen3ForCausalLM`` (Yang et al.
 2025, "Qwen3 Technical Report"): see ``tests/hf/test_parity.py``.
@@ -38,6 +44,7 @@ The numerics match ``transformers``' ``Qwen3MoeForCausalLM`` / ``Qwen3ForCausalL
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -53,23 +60,28 @@ import numpy as np
 from flax import nnx
 
 from sat_jax.models.config import ModelConfig
-from sat_jax.models.transformer import Transformer
+from sat_jax.models.hf_config import SUPPORTED_MODEL_TYPES, config_from_hf, config_to_hf
+from sat_jax.models.sharding import param_path
+from sat_jax.models.transformer import abstract_params, graphdef_for, param_shardings
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3")
+__all__ = [
+    "SUPPORTED_MODEL_TYPES", "config_from_hf", "config_to_hf", "hf_tensor_shapes", "load_hf",
+    "param_path", "save_hf",
+]
+
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 # Buffers some older checkpoints carry; recomputed from rope_theta, never parameters.
 _IGNORED_RE = re.compile(r"\.rotary_emb\.inv_freq$")
-_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _FLOAT_DTYPES = {
     "float32": jnp.dtype(jnp.float32),
     "bfloat16": jnp.dtype(jnp.bfloat16),
     "float16": jnp.dtype(jnp.float16),
 }
 
-Path_ = tuple[Any, ...]  # a parameter path in the NNX state, e.g. ("layers", 0, "mlp", "gate_proj")
+Path_ = tuple[Any, ...]  # a parameter path in the NNX state, e.g. ("moe_layers", "mlp", "up_proj")
 
 
 def _import_safetensors():
@@ -93,255 +105,62 @@ def _float_dtype(name: str, value) -> np.dtype:
     return dt
 
 
-# ----------------------------------------------------------------------------- configuration
-
-
-def _require(hf: Mapping[str, Any], key: str, *, alias: str | None = None) -> Any:
-    if key in hf and hf[key] is not None:
-        return hf[key]
-    if alias is not None and alias in hf and hf[alias] is not None:
-        return hf[alias]
-    raise ValueError(f"config.json lacks the required field {key!r}")
-
-
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-    """rope_theta from either layout: top-level ``rope_theta`` + ``rope_scaling`` (transformers 4)
-    or ``rope_parameters`` (transformers 5). Only the default (unscaled) rotary is supported."""
-    theta = hf.get("rope_theta")
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = hf.get(key)
-        if rope is None:
-            continue
-        if not isinstance(rope, Mapping):
-            raise ValueError(f"config.json {key} must be an object, got {rope!r}")
-        if "full_attention" in rope and isinstance(rope["full_attention"], Mapping):
-            rope = rope["full_attention"]  # per-layer-type form; all layers are full attention
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in (None, "default"):
-            raise ValueError(
-                f"config.json {key} has rope_type {kind!r}; only the default rotary embedding is "
-                "supported (no YaRN / linear / dynamic scaling)"
-            )
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(
-                f"config.json {key}.partial_rotary_factor={rope['partial_rotary_factor']} is not "
-                "supported (rotary over the whole head only)"
-            )
-        theta = rope.get("rope_theta", theta)
-    return 10000.0 if theta is None else float(theta)
-
-
-def config_from_hf(
-    hf_config: Mapping[str, Any], *, dtype=jnp.float32, **overrides: Any
-) -> ModelConfig:
-    """``ModelConfig`` from a Hugging Face ``config.json`` dict of a Qwen3-MoE or dense Qwen3 model.
-
-    ``decoder_sparse_step`` and ``mlp_only_layers`` become ``mlp_only_layers`` (a block is MoE iff
-    it is not listed and ``(i + 1) % decoder_sparse_step == 0``, as in transformers). A dense Qwen3
-    (or a Qwen3-MoE with ``num_experts = 0``) becomes a config whose every block is in
-    ``mlp_only_layers``; its MoE sizes are then unused placeholders (1 expert, top-1, width 1).
-
-    Args:
-      hf_config: the parsed ``config.json``.
-      dtype: compute dtype of the returned config (parameters' dtype is chosen when loading).
-      **overrides: ``ModelConfig`` fields to set after the mapping, e.g. ``remat=True`` or
-        ``router_aux_loss_coef=0.0`` (the checkpoint's value is kept otherwise; the paper's R3 runs
-        use 0).
-    Raises:
-      ValueError: naming the field, for an unsupported ``model_type`` or option (sliding-window
-        attention, attention biases, scaled rotary, an activation other than SiLU) or a missing
-        required field.
-    """
-    hf = dict(hf_config)
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r} in config.json; sat_jax loads "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(
-            f"config.json hidden_act={hf['hidden_act']!r} is not supported (silu only)"
-        )
-    if hf.get("attention_bias", False):
-        raise ValueError(
-            "config.json attention_bias=true is not supported (projections have no bias)"
-        )
-    if hf.get("use_sliding_window", False):
-        raise ValueError(
-            "config.json use_sliding_window=true is not supported (the model has full attention "
-            "only)"
-        )
-    layer_types = hf.get("layer_types") or []
-    bad = sorted({t for t in layer_types if t != "full_attention"})
-    if bad:
-        raise ValueError(f"config.json layer_types {bad} are not supported (full_attention only)")
-    rope_theta = _rope_theta(hf)
-
-    num_layers = int(_require(hf, "num_hidden_layers"))
-    hidden = int(_require(hf, "hidden_size"))
-    heads = int(_require(hf, "num_attention_heads"))
-    kv_heads = int(hf.get("num_key_value_heads") or heads)
-    # transformers' defaults when head_dim is absent: 128 for Qwen3Config, d / H for Qwen3-MoE.
-    default_head_dim = 128 if model_type == "qwen3" else hidden // heads
-    head_dim = int(hf.get("head_dim") or default_head_dim)
-
-    num_experts = 0
-    if model_type == "qwen3_moe":
-        num_experts = int(_require(hf, "num_experts", alias="num_local_experts"))
-    if num_experts > 0:
-        step = int(hf.get("decoder_sparse_step") or 1)
-        listed = {int(i) for i in (hf.get("mlp_only_layers") or [])}
-        mlp_only = tuple(
-            i for i in range(num_layers) if i in listed or (i + 1) % step != 0
-        )
-        moe = dict(
-            num_experts=num_experts,
-            num_experts_per_tok=int(_require(hf, "num_experts_per_tok")),
-            moe_intermediate_size=int(_require(hf, "moe_intermediate_size")),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0),
-        )
-    else:
-        mlp_only = tuple(range(num_layers))
-        moe = dict(num_experts=1, num_experts_per_tok=1, moe_intermediate_size=1)
-    intermediate = hf.get("intermediate_size")
-    if mlp_only and not intermediate:
-        raise ValueError("config.json lacks 'intermediate_size', needed by the dense blocks")
-    fields = dict(
-        vocab_size=int(_require(hf, "vocab_size")),
-        hidden_size=hidden,
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        mlp_only_layers=mlp_only,
-        intermediate_size=int(intermediate or ModelConfig.intermediate_size),
-        rope_theta=rope_theta,
-        rms_norm_eps=float(hf.get("rms_norm_eps") or 1e-6),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        shared_expert_intermediate_size=0,
-        dtype=dtype,
-        **moe,
-    )
-    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
-    if unknown:
-        raise ValueError(f"overrides {unknown} are not ModelConfig fields")
-    fields.update(overrides)
-    return ModelConfig(**fields)
-
-
-def config_to_hf(
-    config: ModelConfig,
-    *,
-    base: Mapping[str, Any] | None = None,
-    torch_dtype: str = "float32",
-) -> dict[str, Any]:
-    """Hugging Face ``config.json`` dict for ``config`` (inverse of ``config_from_hf``).
-
-    ``base`` (e.g. the original checkpoint's config.json) supplies the fields sat_jax does not model
-    (token ids, ``max_position_embeddings`` ...); the architecture fields are overwritten. The
-    ``model_type`` is ``base``'s when given, else ``qwen3_moe`` if the config has MoE blocks and
-    ``qwen3`` if it has none.
-    Raises:
-      ValueError: when the config has no Qwen3 equivalent (a shared expert, or MoE blocks under
-        ``model_type="qwen3"``).
-    """
-    if config.shared_expert_intermediate_size:
-        raise ValueError(
-            "config.shared_expert_intermediate_size > 0 has no Qwen3 / Qwen3-MoE equivalent"
-        )
-    hf = dict(base or {})
-    model_type = hf.get("model_type") or ("qwen3_moe" if config.num_moe_layers else "qwen3")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"base model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
-    if model_type == "qwen3" and config.num_moe_layers:
-        raise ValueError("model_type 'qwen3' cannot hold MoE blocks; use 'qwen3_moe'")
-    for stale in ("num_local_experts", "rope_scaling", "layer_types", "dtype"):
-        hf.pop(stale, None)
-    hf.update(
-        model_type=model_type,
-        architectures=[_ARCHITECTURES[model_type]],
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
-        intermediate_size=config.intermediate_size,
-        hidden_act="silu",
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta,
-        rope_scaling=None,
-        tie_word_embeddings=config.tie_embeddings,
-        attention_bias=False,
-        use_sliding_window=False,
-        sliding_window=None,
-        torch_dtype=torch_dtype,
-    )
-    if "rope_parameters" in hf:  # transformers-5 layout in base: keep it consistent
-        hf["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if model_type == "qwen3":
-        hf["max_window_layers"] = config.num_layers
-    elif config.num_moe_layers:
-        hf.update(
-            num_experts=config.num_experts,
-            num_experts_per_tok=config.num_experts_per_tok,
-            moe_intermediate_size=config.moe_intermediate_size,
-            norm_topk_prob=config.norm_topk_prob,
-            decoder_sparse_step=1,
-            mlp_only_layers=list(config.mlp_only_layers),
-            router_aux_loss_coef=config.router_aux_loss_coef,
-        )
-    else:
-        hf.update(num_experts=0, mlp_only_layers=list(range(config.num_layers)))
-    return hf
-
-
 # ----------------------------------------------------------------------------- name/layout map
 
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    """One parameter: its NNX path, its HF tensor name(s) and how the layouts relate.
+    """One parameter: its NNX path, its HF tensor names and how the layouts relate.
 
-    kind: "copy" (same layout), "linear" (2-D transpose) or "experts" (``names[e]`` is expert e's
-    [out, in] matrix; the parameter is their transposes stacked on axis 0).
+    ``lead`` are the parameter's leading index dims that enumerate HF tensors (() for an
+    unstacked parameter, (L,) for a stacked block parameter, (L, E) for stacked experts);
+    ``names`` lists one HF tensor per index in row-major order. Each HF tensor is the parameter
+    slice ``param[index]`` as is (kind "copy") or transposed (kind "linear", 2-D).
     """
 
     path: Path_
     names: tuple[str, ...]
     kind: str
+    lead: tuple[int, ...] = ()
+
+    def indexed(self) -> Iterator[tuple[tuple[int, ...], str]]:
+        return zip(itertools.product(*(range(n) for n in self.lead)), self.names, strict=True)
 
 
 def _layout(config: ModelConfig) -> list[_Entry]:
-    """Every parameter of ``Transformer(config)`` with its HF tensor names, in checkpoint order."""
+    """Every parameter of ``Transformer(config)`` with its HF tensor names."""
     entries = [_Entry(("embed_tokens",), ("model.embed_tokens.weight",), "copy")]
-    moe_ids = set(config.moe_layer_ids)
-    for i in range(config.num_layers):
-        hp, lp = f"model.layers.{i}.", ("layers", i)
-        entries += [
-            _Entry(lp + ("input_layernorm", "weight"), (hp + "input_layernorm.weight",), "copy"),
-            _Entry(lp + ("post_attention_layernorm", "weight"),
-                   (hp + "post_attention_layernorm.weight",), "copy"),
+    for stack, ids in (("moe_layers", config.moe_layer_ids),
+                       ("dense_layers", config.dense_layer_ids)):
+        if not ids:
+            continue
+        n = len(ids)
+
+        def per_layer(suffix, kind, stack=stack, ids=ids, n=n):
+            return (tuple(f"model.layers.{i}.{suffix}" for i in ids), kind, (n,))
+
+        own = [
+            (("input_layernorm", "weight"), *per_layer("input_layernorm.weight", "copy")),
+            (("post_attention_layernorm", "weight"),
+             *per_layer("post_attention_layernorm.weight", "copy")),
         ]
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            entries.append(_Entry(lp + ("self_attn", proj, "kernel"),
-                                  (f"{hp}self_attn.{proj}.weight",), "linear"))
+            own.append((("self_attn", proj, "kernel"),
+                        *per_layer(f"self_attn.{proj}.weight", "linear")))
         for norm in ("q_norm", "k_norm"):
-            entries.append(_Entry(lp + ("self_attn", norm, "weight"),
-                                  (f"{hp}self_attn.{norm}.weight",), "copy"))
-        if i in moe_ids:
-            entries.append(_Entry(lp + ("mlp", "gate", "kernel"), (hp + "mlp.gate.weight",),
-                                  "linear"))
+            own.append((("self_attn", norm, "weight"),
+                        *per_layer(f"self_attn.{norm}.weight", "copy")))
+        if stack == "moe_layers":
+            own.append((("mlp", "gate", "kernel"), *per_layer("mlp.gate.weight", "linear")))
+            e = config.num_experts
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                names = tuple(f"{hp}mlp.experts.{e}.{proj}.weight"
-                              for e in range(config.num_experts))
-                entries.append(_Entry(lp + ("mlp", proj), names, "experts"))
+                names = tuple(f"model.layers.{i}.mlp.experts.{x}.{proj}.weight"
+                              for i in ids for x in range(e))
+                own.append((("mlp", proj), names, "linear", (n, e)))
         else:
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                entries.append(_Entry(lp + ("mlp", proj, "kernel"), (f"{hp}mlp.{proj}.weight",),
-                                      "linear"))
+                own.append((("mlp", proj, "kernel"), *per_layer(f"mlp.{proj}.weight", "linear")))
+        entries += [_Entry((stack,) + sub, names, kind, lead) for sub, names, kind, lead in own]
     entries.append(_Entry(("norm", "weight"), ("model.norm.weight",), "copy"))
     if not config.tie_embeddings:
         entries.append(_Entry(("lm_head", "kernel"), ("lm_head.weight",), "linear"))
@@ -349,49 +168,31 @@ def _layout(config: ModelConfig) -> list[_Entry]:
 
 
 def _hf_shape(entry: _Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape of each HF tensor of ``entry`` given the parameter's shape."""
-    if entry.kind == "copy":
-        return tuple(shape)
-    if entry.kind == "linear":
-        return tuple(shape[::-1])
-    return (shape[2], shape[1])  # experts: [E, in, out] -> per expert [out, in]
+    """Shape of each HF tensor of ``entry`` given the parameter's (stacked) shape."""
+    inner = tuple(shape[len(entry.lead):])
+    return inner if entry.kind == "copy" else inner[::-1]
 
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The tensors (name → shape) a Hugging Face checkpoint of ``config`` holds, in order."""
     shapes = _abstract_shapes(config)
-    return {
-        name: _hf_shape(entry, shapes[entry.path])
-        for entry in _layout(config)
-        for name in entry.names
-    }
+    out = {}
+    for entry in _layout(config):
+        for _, name in entry.indexed():
+            out[name] = _hf_shape(entry, shapes[entry.path])
+    return dict(sorted(out.items(), key=lambda kv: _checkpoint_order(kv[0])))
 
 
-def _key(k) -> Any:
-    if isinstance(k, jax.tree_util.DictKey):
-        return k.key
-    if isinstance(k, jax.tree_util.SequenceKey):
-        return k.idx
-    if isinstance(k, jax.tree_util.GetAttrKey):
-        return k.name
-    raise TypeError(f"unexpected key {k!r} in a parameter path")
-
-
-def param_path(path) -> Path_:
-    """A ``jax.tree_util`` key path into an ``nnx.State`` as a plain tuple, e.g.
-    ``("layers", 0, "mlp", "gate_proj")`` (the variables' trailing ``.value`` dropped)."""
-    out = tuple(_key(k) for k in path)
-    return out[:-1] if out and out[-1] == "value" else out
-
-
-def _abstract(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(params=0)))
-    return nnx.split(model, nnx.Param)
+def _checkpoint_order(name: str):
+    """HF tensor order: embeddings, blocks by index, final norm, head."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    if m:
+        return (1, int(m.group(1)), name)
+    return (0 if "embed_tokens" in name else 2 if name.startswith("model.") else 3, 0, name)
 
 
 def _abstract_shapes(config: ModelConfig) -> dict[Path_, tuple[int, ...]]:
-    _, state = _abstract(config)
-    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    leaves = jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]
     return {param_path(p): tuple(leaf.shape) for p, leaf in leaves}
 
 
@@ -450,17 +251,47 @@ class _Reader:
         self.path, self.files, self.stack = path, files, stack
         self.handles: dict[str, Any] = {}
 
-    def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def _slice(self, name: str):
         file = self.files[name]
         if file not in self.handles:
             self.handles[file] = self.stack.enter_context(
                 self._safe_open(str(self.path / file), framework="numpy")
             )
-        handle = self.handles[file]
-        got = tuple(handle.get_slice(name).get_shape())
+        return self.handles[file].get_slice(name)
+
+    def check(self, name: str, shape: tuple[int, ...]) -> None:
+        got = tuple(self._slice(name).get_shape())
         if got != tuple(shape):
-            raise ValueError(f"tensor {name} in {file} has shape {got}, expected {tuple(shape)}")
-        return handle.get_tensor(name)
+            raise ValueError(f"tensor {name} in {self.files[name]} has shape {got}, expected "
+                             f"{tuple(shape)}")
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The part ``index`` (slices in the file's own layout) of tensor ``name``."""
+        return np.asarray(self._slice(name)[index])
+
+
+def _concrete(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(*s.indices(n)) for s, n in zip(index, shape, strict=True))
+
+
+def _read_shard(reader: _Reader, entry: _Entry, shape, index, dtype) -> np.ndarray:
+    """The device shard ``index`` of the parameter of ``entry`` (full shape ``shape``), read
+    from just the HF tensors and slices it covers."""
+    index = _concrete(tuple(index) + (slice(None),) * (len(shape) - len(index)), shape)
+    nl = len(entry.lead)
+    lead_ix, inner_ix = index[:nl], index[nl:]
+    hf_ix = inner_ix if entry.kind == "copy" else inner_ix[::-1]
+    out = np.empty(tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True)),
+                   dtype)
+    strides = [math.prod(entry.lead[j + 1:]) for j in range(nl)]
+    for pos in itertools.product(*(range(*s.indices(n)) for s, n in zip(lead_ix, entry.lead,
+                                                                        strict=True))):
+        flat = sum(p * st for p, st in zip(pos, strides, strict=True))
+        part = reader.read(entry.names[flat], hf_ix)
+        part = part if entry.kind == "copy" else part.T
+        rel = tuple(p - s.start for p, s in zip(pos, lead_ix, strict=True))
+        out[rel] = part.astype(dtype, copy=False)
+    return out
 
 
 def load_hf(
@@ -469,7 +300,6 @@ def load_hf(
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     mesh: jax.sharding.Mesh | None = None,
-    mesh_axes: tuple[str | None, str | None, str | None] = ("data", "expert", "model"),
     **overrides: Any,
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
     """Load a local Hugging Face Qwen3-MoE / Qwen3 checkpoint directory into the NNX model.
@@ -477,40 +307,39 @@ def load_hf(
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` or sharded files + index.
       dtype: compute dtype of the returned config / graphdef (the model casts parameters at use).
-      param_dtype: dtype the parameters are stored in (float32 for training; bfloat16 halves memory
-        for an engine-only copy). Conversion happens tensor by tensor.
-      mesh: place each parameter directly with ``NamedSharding(mesh, spec)``, specs from
-        ``sharding_rules`` (expert parallel + model parallel); None puts them on the default device.
-      mesh_axes: (data, expert, model) axis names of ``mesh``, as in ``sharding_rules``.
+      param_dtype: dtype the parameters are stored in (``ModelConfig.param_dtype``: float32 for
+        training; bfloat16 halves memory for an engine-only copy). Conversion happens per shard.
+      mesh: place each parameter directly in ``param_shardings(config, mesh)`` (the table of
+        ``sat_jax.models.sharding``), each device's shard read from the files on its own; None
+        puts them on the default device.
       **overrides: ``ModelConfig`` fields to override (see ``config_from_hf``).
     Returns:
       ``(config, graphdef, params)``: ``nnx.merge(graphdef, params)`` is the model.
     Raises:
       FileNotFoundError: no config.json or no weights.
       ValueError: naming the field or tensor, for an unsupported architecture or option, missing
-        or unexpected tensors, or a tensor of the wrong shape.
+        or unexpected tensors, or a tensor of the wrong shape; naming the mesh axis and the
+        dimension for a mesh that does not divide the model.
     """
     path = Path(path)
     cfg_file = path / CONFIG_FILE
     if not cfg_file.exists():
         raise FileNotFoundError(f"{path} has no {CONFIG_FILE}")
-    with open(cfg_file) as f:
-        config = config_from_hf(json.load(f), dtype=dtype, **overrides)
     pdt = _float_dtype("param_dtype", param_dtype)
+    with open(cfg_file) as f:
+        config = config_from_hf(json.load(f), dtype=dtype, **{"param_dtype": pdt, **overrides})
     files = _tensor_files(path)
     _check_names(config, files, path)
-    graphdef, abstract = _abstract(config)
-    entries = {e.path: e for e in _layout(config)}
-    specs = None
+    graphdef = graphdef_for(config)
+    abstract = abstract_params(config)
+    shardings = None
     if mesh is not None:
-        from sat_jax.models.sharding import sharding_rules
-
-        specs = {
+        shardings = {
             param_path(p): s
-            for p, s in jax.tree_util.tree_flatten_with_path(
-                sharding_rules(abstract, mesh_axes=mesh_axes, mesh=mesh)
-            )[0]
+            for p, s in jax.tree_util.tree_flatten_with_path(param_shardings(config, mesh))[0]
         }
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    entries = {e.path: e for e in _layout(config)}
 
     with ExitStack() as stack:
         reader = _Reader(path, files, stack)
@@ -518,20 +347,21 @@ def load_hf(
         def fill(key_path, leaf):
             p = param_path(key_path)
             entry = entries[p]
-            hf_shape = _hf_shape(entry, leaf.shape)
-            if entry.kind == "experts":
-                host = np.empty(leaf.shape, pdt)
-                for e, name in enumerate(entry.names):
-                    host[e] = reader.read(name, hf_shape).T
-            else:
-                host = reader.read(entry.names[0], hf_shape)
-                host = host.T if entry.kind == "linear" else host
-                host = np.ascontiguousarray(host, dtype=pdt)
-            sharding = None
-            if specs is not None:
-                sharding = jax.sharding.NamedSharding(mesh, specs[p])
-            # The host copy is dropped when this returns: one parameter in host memory at a time.
-            return jax.device_put(host, sharding)
+            shape = tuple(leaf.shape)
+            hf_shape = _hf_shape(entry, shape)
+            for _, name in entry.indexed():
+                reader.check(name, hf_shape)
+            seen: dict[tuple, np.ndarray] = {}  # replicas of one shard are read once
+
+            def shard(index):
+                key = tuple((s.start, s.stop, s.step) for s in _concrete(
+                    tuple(index) + (slice(None),) * (len(shape) - len(index)), shape))
+                if key not in seen:
+                    seen[key] = _read_shard(reader, entry, shape, index, pdt)
+                return seen[key]
+
+            sharding = device if shardings is None else shardings[p]
+            return jax.make_array_from_callback(shape, sharding, shard)
 
         params = jax.tree_util.tree_map_with_path(fill, abstract)
     return config, graphdef, params
@@ -558,8 +388,8 @@ def _parse_size(size: int | str) -> int:
 
 def _tensors_for_save(
     config: ModelConfig, params: nnx.State
-) -> Iterator[tuple[str, tuple[int, ...], Any, str, int | None]]:
-    """(name, hf shape, leaf, kind, expert index or None) per HF tensor, in checkpoint order."""
+) -> Iterator[tuple[str, tuple[int, ...], Any, str, tuple[int, ...]]]:
+    """(name, hf shape, leaf, kind, index into the leaf) per HF tensor, in checkpoint order."""
     leaves = {
         param_path(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
     }
@@ -571,11 +401,19 @@ def _tensors_for_save(
             "params do not match config: "
             f"missing {_name_list(map(str, missing))}; unexpected {_name_list(map(str, extra))}"
         )
+    shapes = _abstract_shapes(config)
+    wrong = [f"{p}: {tuple(leaf.shape)}, config needs {shapes[p]}"
+             for p, leaf in leaves.items() if tuple(leaf.shape) != shapes[p]]
+    if wrong:
+        raise ValueError(f"params do not match config: shapes differ at {_name_list(wrong)}")
+    out = []
     for entry in entries:
         leaf = leaves[entry.path]
         hf_shape = _hf_shape(entry, leaf.shape)
-        for e, name in enumerate(entry.names):
-            yield name, hf_shape, leaf, entry.kind, (e if entry.kind == "experts" else None)
+        for index, name in entry.indexed():
+            out.append((name, hf_shape, leaf, entry.kind, index))
+    out.sort(key=lambda t: _checkpoint_order(t[0]))
+    yield from out
 
 
 def save_hf(
@@ -640,14 +478,17 @@ def save_hf(
 
     n_shards = len(shards)
     weight_map: dict[str, str] = {}
-    cached_leaf, cached_host = None, None
+    cached_key, cached_host = None, None
     for s, shard in enumerate(shards):
         file = SINGLE_FILE if n_shards == 1 else f"model-{s + 1:05d}-of-{n_shards:05d}.safetensors"
         arrays = {}
-        for name, _, leaf, kind, expert in shard:
-            if leaf is not cached_leaf:  # one parameter on host at a time (experts share a leaf)
-                cached_leaf, cached_host = leaf, np.asarray(jax.device_get(leaf))
-            host = cached_host if expert is None else cached_host[expert]
+        for name, _, leaf, kind, index in shard:
+            # One block row of one parameter on host at a time (a layer's experts share it).
+            key = (id(leaf), index[:1])
+            if key != cached_key:
+                row = leaf[index[0]] if index else leaf
+                cached_key, cached_host = key, np.asarray(jax.device_get(row))
+            host = cached_host[index[1:]] if index else cached_host
             if kind != "copy":
                 host = host.T  # linear and expert kernels are stored [out, in]
             arrays[name] = np.ascontiguousarray(host, dtype=out_dtype or host.dtype)

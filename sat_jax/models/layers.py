@@ -1,8 +1,9 @@
 """Building blocks of the MoE decoder: RMSNorm, rotary embeddings, GQA attention with q/k norm and a
 KV cache, the top-k softmax router with capture and replay (R3, Eq. 40), and the MoE feed-forward.
 
-Parameters are float32; every block casts them to the compute dtype at use, so one parameter tree
-serves a float32 trainer and a bfloat16 sampler (the paper's engine mismatch, Section 4.4).
+Parameters are stored in ``config.param_dtype`` (float32 by default, the master copy); every block
+casts them to the compute dtype at use, so one parameter tree serves a float32 trainer and a
+bfloat16 sampler (the paper's engine mismatch, Section 4.4).
 Norms, softmaxes and rotary angles are computed in float32 whatever the compute dtype, as in
 Hugging Face's Qwen3-MoE.
 """
@@ -21,15 +22,16 @@ from sat_jax.models.config import ModelConfig
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype=jnp.float32) -> nnx.Param:
+    # Drawn in float32 whatever the storage dtype, so a bf16 copy rounds the same draw.
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
 class Dense(nnx.Module):
     """y = x · W (no bias, as every projection of Qwen3-MoE). ``kernel`` is [in, out]."""
 
-    def __init__(self, din: int, dout: int, *, std: float, rngs: nnx.Rngs):
-        self.kernel = _normal(rngs, (din, dout), std)
+    def __init__(self, din: int, dout: int, *, std: float, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.kernel = _normal(rngs, (din, dout), std, dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jnp.dot(x, self.kernel[...].astype(x.dtype))
@@ -38,14 +40,14 @@ class Dense(nnx.Module):
 class RMSNorm(nnx.Module):
     """RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x²) + eps) · w, statistics in float32."""
 
-    def __init__(self, dim: int, *, eps: float):
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+    def __init__(self, dim: int, *, eps: float, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        w = self.weight[...].reshape((1,) * (y.ndim - 1) + (-1,))
+        w = self.weight[...].astype(jnp.float32).reshape((1,) * (y.ndim - 1) + (-1,))
         return (y * w).astype(x.dtype)
 
 
@@ -73,7 +75,8 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class LayerCache(NamedTuple):
-    """Keys and values of one attention layer, [B, S, kv_heads, head_dim] each (slot = index)."""
+    """Keys and values of every attention layer, stacked: [L, B, S, kv_heads, head_dim] each
+    (axis 0 = block index, slot = index on axis 2). ``init_cache`` builds one."""
 
     k: jax.Array
     v: jax.Array
@@ -85,16 +88,21 @@ class Attention(nnx.Module):
     Slots: query t of a call sits at slot ``cache_index + t``; key slot j is visible to it when
     j ≤ slot and ``kv_mask[b, j]``, or j is the query's own slot (so a padding query never has an
     empty row). Without a cache, the keys are the call's own tokens and ``cache_index`` is 0.
+
+    The cache is the stacked one of all blocks ([L, B, S, kv_heads, head_dim]); this block
+    writes its new keys and values into row ``layer`` in place (one dynamic-update-slice of the
+    call's T slots, not a copy of the layer) and attends over that row.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, hk, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = Dense(d, h * hd, std=cfg.init_std, rngs=rngs)
-        self.k_proj = Dense(d, hk * hd, std=cfg.init_std, rngs=rngs)
-        self.v_proj = Dense(d, hk * hd, std=cfg.init_std, rngs=rngs)
-        self.o_proj = Dense(h * hd, d, std=cfg.init_std, rngs=rngs)
-        self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps)
+        pdt = cfg.param_dtype
+        self.q_proj = Dense(d, h * hd, std=cfg.init_std, rngs=rngs, dtype=pdt)
+        self.k_proj = Dense(d, hk * hd, std=cfg.init_std, rngs=rngs, dtype=pdt)
+        self.v_proj = Dense(d, hk * hd, std=cfg.init_std, rngs=rngs, dtype=pdt)
+        self.o_proj = Dense(h * hd, d, std=cfg.init_std, rngs=rngs, dtype=pdt)
+        self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=pdt)
+        self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=pdt)
         self.num_heads, self.num_kv_heads, self.head_dim = h, hk, hd
         self.rope_theta = cfg.rope_theta
 
@@ -105,6 +113,7 @@ class Attention(nnx.Module):
         kv_mask: jax.Array,
         cache: LayerCache | None,
         cache_index: jax.Array | int,
+        layer: jax.Array | int = 0,
     ) -> tuple[jax.Array, LayerCache | None]:
         b, t, _ = x.shape
         hk, g, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
@@ -114,11 +123,14 @@ class Attention(nnx.Module):
         q = rotary(q, positions, self.rope_theta).reshape(b, t, hk, g, hd)
         k = rotary(k, positions, self.rope_theta)
         if cache is not None:
-            k_all = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype),
-                                                        cache_index, axis=1)
-            v_all = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype),
-                                                        cache_index, axis=1)
-            new_cache = LayerCache(k_all, v_all)
+            zero = jnp.zeros((), jnp.int32)
+            start = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(cache_index, jnp.int32),
+                     zero, zero)
+            k_full = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start)
+            v_full = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start)
+            new_cache = LayerCache(k_full, v_full)
+            k_all = jax.lax.dynamic_index_in_dim(k_full, layer, 0, keepdims=False)
+            v_all = jax.lax.dynamic_index_in_dim(v_full, layer, 0, keepdims=False)
             k_all, v_all = k_all.astype(x.dtype), v_all.astype(x.dtype)
         else:
             k_all, v_all, new_cache = k, v, None
@@ -137,10 +149,10 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) · up(x))."""
 
-    def __init__(self, d: int, f: int, *, std: float, rngs: nnx.Rngs):
-        self.gate_proj = Dense(d, f, std=std, rngs=rngs)
-        self.up_proj = Dense(d, f, std=std, rngs=rngs)
-        self.down_proj = Dense(f, d, std=std, rngs=rngs)
+    def __init__(self, d: int, f: int, *, std: float, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.gate_proj = Dense(d, f, std=std, rngs=rngs, dtype=dtype)
+        self.up_proj = Dense(d, f, std=std, rngs=rngs, dtype=dtype)
+        self.down_proj = Dense(f, d, std=std, rngs=rngs, dtype=dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -201,29 +213,70 @@ def load_balancing_loss(router_logits: jax.Array, k: int, token_mask: jax.Array)
     return e * jnp.sum(f * p)
 
 
+def _dense_expert_ffn(
+    x: jax.Array,
+    indices: jax.Array,
+    weights: jax.Array,
+    gate_proj: jax.Array,
+    up_proj: jax.Array,
+    down_proj: jax.Array,
+    *,
+    impl: str = "dense",
+) -> jax.Array:
+    """Routed-expert SwiGLU, dense reference: y_n = Σ_j w_nj · Expert_{I_nj}(x_n).
+
+    Every expert is computed for every token and weighted by its gate (zero off the chosen set):
+    exact and simple, E/k times the FLOPs of a dispatching implementation.
+
+    Args:
+      x: [N, d] tokens in the compute dtype.
+      indices: [N, k] int32 chosen experts I (distinct per token, as top-k and its replay are).
+      weights: [N, k] gate values g of the chosen experts (any float dtype; cast to x's).
+      gate_proj, up_proj: [E, d, f] in the compute dtype.
+      down_proj: [E, f, d] in the compute dtype.
+      impl: "auto" or "dense" (both this path).
+    Returns:
+      y: [N, d] in x's dtype.
+    """
+    if impl not in ("auto", "dense"):
+        raise ValueError(f"impl must be 'auto' or 'dense', got {impl!r}")
+    dt = x.dtype
+    e = gate_proj.shape[0]
+    # [N, E] gate matrix: each chosen expert's weight at its index, zero elsewhere.
+    gates = jnp.sum(jax.nn.one_hot(indices, e, dtype=jnp.float32)
+                    * weights.astype(jnp.float32)[..., None], axis=-2)
+    g = jnp.einsum("nd,edf->nef", x, gate_proj)
+    u = jnp.einsum("nd,edf->nef", x, up_proj)
+    h = jax.nn.silu(g) * u * gates.astype(dt)[..., None]
+    return jnp.einsum("nef,efd->nd", h, down_proj)
+
+
 class MoE(nnx.Module):
     """Mixture-of-experts SwiGLU feed-forward with a top-k softmax router (Qwen3-MoE).
 
     y = Σ_e g_e · Expert_e(x) (+ σ(w_s·x) · Shared(x) when a shared expert is configured), with g
-    from ``routing_gates``. This is the small-scale path: every expert is computed densely for every
-    token and weighted by g (zero off the chosen set). It costs E/k times the FLOPs of a dispatching
-    implementation but is exact and simple; replace with a grouped matmul for real sizes.
+    from ``routing_gates``. The router picks I (or replays it) and the gates g_I; the expert
+    computation is ``expert_ffn(x, I, g_I, ...)`` with ``impl = config.moe_impl`` (today the dense
+    reference ``_dense_expert_ffn``), so every implementation sees identical routing and gates.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, e, std = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.init_std
-        self.gate = Dense(d, e, std=std, rngs=rngs)  # the router, named as in Hugging Face
-        self.gate_proj = _normal(rngs, (e, d, f), std)
-        self.up_proj = _normal(rngs, (e, d, f), std)
-        self.down_proj = _normal(rngs, (e, f, d), std)
+        pdt = cfg.param_dtype
+        self.gate = Dense(d, e, std=std, rngs=rngs, dtype=pdt)  # the router, as in Hugging Face
+        self.gate_proj = _normal(rngs, (e, d, f), std, pdt)
+        self.up_proj = _normal(rngs, (e, d, f), std, pdt)
+        self.down_proj = _normal(rngs, (e, f, d), std, pdt)
         if cfg.shared_expert_intermediate_size > 0:
-            self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size, std=std, rngs=rngs)
-            self.shared_expert_gate = Dense(d, 1, std=std, rngs=rngs)
+            self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size, std=std, rngs=rngs,
+                                     dtype=pdt)
+            self.shared_expert_gate = Dense(d, 1, std=std, rngs=rngs, dtype=pdt)
         else:
             self.shared_expert = None
             self.shared_expert_gate = None
         self.k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
+        self.impl = cfg.moe_impl
 
     def __call__(
         self, x: jax.Array, replay: jax.Array | None
@@ -234,10 +287,14 @@ class MoE(nnx.Module):
         z = self.gate(x).astype(jnp.float32)
         indices = select_experts(z, self.k) if replay is None else replay.astype(jnp.int32)
         gates = routing_gates(z, indices, norm_topk_prob=self.norm_topk_prob)
-        g = jnp.einsum("btd,edf->btef", x, self.gate_proj[...].astype(dt))
-        u = jnp.einsum("btd,edf->btef", x, self.up_proj[...].astype(dt))
-        h = jax.nn.silu(g) * u * gates.astype(dt)[..., None]
-        y = jnp.einsum("btef,efd->btd", h, self.down_proj[...].astype(dt))
+        weights = jnp.take_along_axis(gates, indices, axis=-1)  # [B, T, k] float32
+        b, t, d = x.shape
+        n = b * t
+        y = _dense_expert_ffn(
+            x.reshape(n, d), indices.reshape(n, self.k), weights.reshape(n, self.k),
+            self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt),
+            self.down_proj[...].astype(dt), impl=self.impl,
+        ).reshape(b, t, d)
         if self.shared_expert is not None:
             y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y, indices, z

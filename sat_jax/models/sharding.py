@@ -1,107 +1,266 @@
-"""Parameter sharding rules for a (data, expert, model) mesh: expert parallel + tensor parallel.
+"""Logical axes of every parameter and the one table that maps them onto a device mesh.
 
-The rules follow Megatron-style tensor parallelism (Shoeybi et al. 2019) for attention and dense
-SwiGLU blocks and GShard-style expert parallelism (Lepikhin et al. 2020) for the routed experts:
+Every parameter dimension has a logical axis name (derived from its path in the parameter tree:
+``logical_axes``); ``LOGICAL_AXIS_RULES`` maps logical names to the mesh axes of
+``sat_jax.parallel.make_mesh`` (``data``, ``fsdp``, ``expert``, ``tensor``; any may have size 1):
 
-====================================  ======================  =================================
-parameter (shape)                     spec                    why
-====================================  ======================  =================================
-``embed_tokens`` [V, d]               (model, None)           vocabulary split
-``lm_head.kernel`` [d, V]             (None, model)           logits split over the vocabulary
-``self_attn.{q,k,v}_proj`` [d, H·D]   (None, model)           column parallel: heads split
-``self_attn.o_proj`` [H·D, d]         (model, None)           row parallel: one all-reduce
-dense ``mlp.{gate,up}_proj`` [d, f]   (None, model)           column parallel
-dense ``mlp.down_proj`` [f, d]        (model, None)           row parallel
-``mlp.gate.kernel`` [d, E]            replicated              router: same routing everywhere
-``mlp.{gate,up}_proj`` [E, d, f]      (expert, None, model)   experts split, width split
-``mlp.down_proj`` [E, f, d]           (expert, model, None)   same split, row parallel
-norms (RMSNorm weights)               replicated              tiny
-====================================  ======================  =================================
+====================================  ================================  ==========================
+parameter (unstacked shape)           logical axes                      mesh axes
+====================================  ================================  ==========================
+``embed_tokens`` [V, d]               (vocab, embed)                    (tensor, (fsdp, expert))
+``lm_head.kernel`` [d, V]             (embed, vocab)                    ((fsdp, expert), tensor)
+``self_attn.q_proj`` [d, H·D]         (embed, heads)                    ((fsdp, expert), tensor)
+``self_attn.{k,v}_proj`` [d, Hk·D]    (embed, kv_heads)                 ((fsdp, expert), tensor)
+``self_attn.o_proj`` [H·D, d]         (heads, embed)                    (tensor, (fsdp, expert))
+dense ``mlp.{gate,up}_proj`` [d, f]   (embed, mlp)                      ((fsdp, expert), tensor)
+dense ``mlp.down_proj`` [f, d]        (mlp, embed)                      (tensor, (fsdp, expert))
+experts ``mlp.{gate,up}_proj``        (expert, expert_embed, mlp)       (expert, fsdp, tensor)
+[E, d, f]
+experts ``mlp.down_proj`` [E, f, d]   (expert, mlp, expert_embed)       (expert, tensor, fsdp)
+router ``mlp.gate.kernel`` [d, E]     (router_embed, router_expert)     replicated
+shared-expert gate [d, 1]             (router_embed, router_expert)     replicated
+norms (RMSNorm weights)               (norm,)                           replicated
+stacked blocks: leading [L]           layers                            replicated
+====================================  ================================  ==========================
 
-Parameters are replicated over the ``data`` axis (plain data parallel: the batch is split there,
-gradients are averaged there). The router stays replicated on purpose: routing is a discrete
-decision, and splitting its matmul would change reduction order and so flip near-tie top-k choices
-between devices and between the trainer and the engine (the mismatch R3 exists to remove).
+* FSDP (Zhao et al. 2023, ZeRO-3 of Rajbhandari et al. 2020): every large weight is split over
+  ``fsdp`` along its model width, so parameters, gradients and optimizer state take 1/fsdp of
+  the memory each, and GSPMD all-gathers a weight where it is used. Weights that are not experts
+  are split over ``expert`` as well (the expert axis would otherwise hold full copies of them),
+  so per-device parameter bytes are total / (fsdp · expert · tensor) up to the replicated norms
+  and routers.
+* Expert parallelism (GShard, Lepikhin et al. 2020): experts over ``expert``.
+* Tensor parallelism (Megatron, Shoeybi et al. 2019): attention heads, KV heads, MLP / expert
+  width and the vocabulary over ``tensor``.
+* The router stays replicated on purpose: routing is a discrete decision, and a split router
+  matmul changes the reduction order and so flips near-tie top-k choices between devices and
+  between the trainer and the engine (the mismatch R3 exists to remove). Norms are tiny.
+* The batch is split over ``(data, fsdp)`` (``BATCH_AXES``); parameters are replicated over
+  ``data``.
 
-These are GSPMD annotations: ``jax.jit`` inserts the collectives. The MoE layer of
-``sat_jax.models`` computes every expert densely, so with experts split over ``expert`` each device
-computes only its experts and one all-reduce sums them.
+A mesh that does not divide what the table splits is one ``ValueError`` (``check_mesh``), raised
+before anything compiles, naming the mesh axis and the dimension; nothing silently falls back to
+replication. Mesh axes of size 1 (or absent from the mesh) are dropped from the specs, so a 1-D
+data mesh gives fully replicated parameters (``PartitionSpec()``), as plain data parallelism.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
-from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sat_jax.models.hf import param_path
+from sat_jax.models.config import ModelConfig
 
-_EXPERT = "expert"
-_MODEL = "model"
+DATA, FSDP, EXPERT, TENSOR = "data", "fsdp", "expert", "tensor"
+#: Mesh axes the batch dimension is split over.
+BATCH_AXES = (DATA, FSDP)
+
+#: The one table: logical axis -> mesh axis (a name, a tuple of names, or None = replicated).
+LOGICAL_AXIS_RULES: Mapping[str, str | tuple[str, ...] | None] = {
+    "layers": None,
+    "vocab": TENSOR,
+    "embed": (FSDP, EXPERT),
+    "heads": TENSOR,
+    "kv_heads": TENSOR,
+    "mlp": TENSOR,
+    "expert": EXPERT,
+    "expert_embed": FSDP,
+    "router_embed": None,
+    "router_expert": None,
+    "norm": None,
+    # activations / cache
+    "batch": BATCH_AXES,
+    "length": None,
+    "head_dim": None,
+}
+
+_Path = tuple[Any, ...]
 
 
-def _rule(path: tuple, ndim: int) -> tuple[str | None, ...]:
-    """Logical spec (entries "expert", "model" or None) of one parameter from its path."""
+def _key(k) -> Any:
+    if isinstance(k, jax.tree_util.DictKey):
+        return k.key
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return k.idx
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return k.name
+    raise TypeError(f"unexpected key {k!r} in a parameter path")
+
+
+def param_path(path) -> _Path:
+    """A ``jax.tree_util`` key path into an ``nnx.State`` as a plain tuple, e.g.
+    ``("moe_layers", "mlp", "gate_proj")`` (the variables' trailing ``.value`` dropped)."""
+    out = tuple(_key(k) for k in path)
+    return out[:-1] if out and out[-1] == "value" else out
+
+
+_STACKS = ("moe_layers", "dense_layers")
+
+
+def logical_axes(path: _Path, ndim: int) -> tuple[str, ...]:
+    """Logical axis names of the parameter at ``path`` (a ``param_path`` tuple) of rank ``ndim``.
+
+    Raises:
+      ValueError: for a path the table does not know (a new parameter must be added here).
+    """
     names = [k for k in path if isinstance(k, str)]
+    stacked = bool(names) and names[0] in _STACKS
+    lead = ("layers",) if stacked else ()
+    rank = ndim - len(lead)
     last = names[-1] if names else ""
-    if path == ("embed_tokens",):
-        return (_MODEL, None)
-    if path[:1] == ("lm_head",):
-        return (None, _MODEL)
-    if ndim == 3 and "mlp" in names:  # stacked routed experts [E, in, out]
-        return (_EXPERT, None, _MODEL) if last in ("gate_proj", "up_proj") else (
-            _EXPERT, _MODEL, None)
-    if ndim == 2 and last == "kernel":
-        owner = names[-2]
-        if owner in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-            return (None, _MODEL)
-        if owner in ("o_proj", "down_proj"):
-            return (_MODEL, None)
-    return (None,) * ndim  # router, shared-expert gate, norms: replicated
+    owner = names[-2] if len(names) > 1 else ""
+    axes: tuple[str, ...] | None = None
+    if names == ["embed_tokens"]:
+        axes = ("vocab", "embed")
+    elif names[:1] == ["lm_head"]:
+        axes = ("embed", "vocab")
+    elif last == "weight":  # every RMSNorm
+        axes = ("norm",)
+    elif owner == "gate" or owner == "shared_expert_gate":  # router, shared-expert gate
+        axes = ("router_embed", "router_expert")
+    elif rank == 3 and last in ("gate_proj", "up_proj"):
+        axes = ("expert", "expert_embed", "mlp")
+    elif rank == 3 and last == "down_proj":
+        axes = ("expert", "mlp", "expert_embed")
+    elif last == "kernel" and owner == "q_proj":
+        axes = ("embed", "heads")
+    elif last == "kernel" and owner in ("k_proj", "v_proj"):
+        axes = ("embed", "kv_heads")
+    elif last == "kernel" and owner == "o_proj":
+        axes = ("heads", "embed")
+    elif last == "kernel" and owner in ("gate_proj", "up_proj"):
+        axes = ("embed", "mlp")
+    elif last == "kernel" and owner == "down_proj":
+        axes = ("mlp", "embed")
+    if axes is None or len(axes) != rank:
+        raise ValueError(f"no logical axes for parameter {path} of rank {ndim}")
+    return lead + axes
 
 
-def sharding_rules(
-    params: nnx.State,
-    *,
-    mesh_axes: Sequence[str | None] = ("data", "expert", "model"),
-    mesh: jax.sharding.Mesh | None = None,
-) -> nnx.State:
+def _mesh_sizes(mesh) -> dict[str, int]:
+    return dict(mesh.shape)
+
+
+def _mesh_axes_of(logical: str, sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """Mesh axes (present and of size > 1) a logical axis splits over."""
+    rule = LOGICAL_AXIS_RULES[logical]
+    if rule is None:
+        return ()
+    rule = (rule,) if isinstance(rule, str) else tuple(rule)
+    return tuple(a for a in rule if sizes.get(a, 1) > 1)
+
+
+def spec_for(logical: Sequence[str | None], mesh) -> P:
+    """``PartitionSpec`` of an array with logical axes ``logical`` (None = unsplit) on ``mesh``."""
+    sizes = _mesh_sizes(mesh)
+    entries = []
+    for name in logical:
+        axes = () if name is None else _mesh_axes_of(name, sizes)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while entries and entries[-1] is None:  # canonical: P() when replicated
+        entries.pop()
+    return P(*entries)
+
+
+def batch_spec(mesh, ndim: int = 1, axis: int = 0) -> P:
+    """Spec of an array whose ``axis`` is the batch: split over ``BATCH_AXES``."""
+    logical = [None] * ndim
+    logical[axis] = "batch"
+    return spec_for(logical, mesh)
+
+
+def check_mesh(config: ModelConfig, mesh, *, batch: int | None = None) -> None:
+    """One clear error, before compiling, if ``mesh`` does not divide what the table splits.
+
+    Checks every split dimension of ``config`` (experts over ``expert``; heads, KV heads, vocab,
+    MLP and expert widths over ``tensor``; the model width over ``fsdp`` (× ``expert`` for
+    non-expert weights)) and, when given, the global ``batch`` size over ``data × fsdp``.
+
+    Raises:
+      ValueError: naming the mesh axis, its size and the dimension it does not divide.
+    """
+    sizes = _mesh_sizes(mesh)
+    dims: list[tuple[str, str, int]] = [
+        ("vocab", "vocab_size", config.vocab_size),
+        ("embed", "hidden_size", config.hidden_size),
+        ("heads", "num_heads", config.num_heads),
+        ("kv_heads", "num_kv_heads", config.num_kv_heads),
+    ]
+    if config.num_moe_layers:
+        dims += [
+            ("expert", "num_experts", config.num_experts),
+            ("expert_embed", "hidden_size", config.hidden_size),
+            ("mlp", "moe_intermediate_size", config.moe_intermediate_size),
+        ]
+        if config.shared_expert_intermediate_size:
+            dims.append(("mlp", "shared_expert_intermediate_size",
+                         config.shared_expert_intermediate_size))
+    if config.dense_layer_ids:
+        dims.append(("mlp", "intermediate_size", config.intermediate_size))
+    for logical, field, size in dims:
+        _check_divides(sizes, _mesh_axes_of(logical, sizes), f"ModelConfig.{field}", size)
+    if batch is not None:
+        _check_divides(sizes, _mesh_axes_of("batch", sizes), "the batch size", batch)
+
+
+def _check_divides(sizes, axes: tuple[str, ...], what: str, size: int) -> None:
+    n = math.prod(sizes[a] for a in axes)
+    if axes and size % n:
+        detail = " × ".join(f"{a!r} ({sizes[a]})" for a in axes)
+        raise ValueError(
+            f"mesh axis {detail} of size {n} does not divide {what}={size}; choose a mesh whose "
+            f"axes divide it (see sat_jax.models.sharding.LOGICAL_AXIS_RULES)"
+        )
+
+
+def sharding_rules(params, *, mesh) -> Any:
     """``PartitionSpec`` per parameter, a tree shaped like ``params`` (see the module table).
 
     Args:
       params: parameter ``nnx.State`` (arrays or ``jax.ShapeDtypeStruct``s; only shapes are read).
-      mesh_axes: names of the (data, expert, model) mesh axes; None drops that role (e.g.
-        ``("data", None, "model")`` replicates experts). The data axis only names the mesh axis
-        parameters are replicated over.
-      mesh: optional; when given, a dimension whose size its mesh axis does not divide (or whose
-        axis the mesh lacks) is left unsplit instead of failing at placement.
-    Returns:
-      a tree of ``PartitionSpec`` with the structure of ``params``. Place with
-      ``jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))``.
-
-    Example::
-
-        mesh = jax.make_mesh((2, 2, 2), ("data", "expert", "model"))
-        specs = sharding_rules(params, mesh=mesh)
-        params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+      mesh: the device mesh (axes named as in ``LOGICAL_AXIS_RULES``).
+    Raises:
+      ValueError: a split dimension the mesh axis does not divide, naming both.
     """
-    if len(mesh_axes) != 3:
-        raise ValueError(f"mesh_axes must name (data, expert, model) axes, got {mesh_axes!r}")
-    roles = {_EXPERT: mesh_axes[1], _MODEL: mesh_axes[2]}
-    sizes = dict(mesh.shape) if mesh is not None else None
+    sizes = _mesh_sizes(mesh)
 
     def spec(key_path, leaf) -> P:
+        path = param_path(key_path)
         shape = tuple(leaf.shape)
-        out = []
-        for dim, role in zip(shape, _rule(param_path(key_path), len(shape)), strict=True):
-            axis = roles.get(role) if role else None
-            if axis is not None and sizes is not None and (
-                axis not in sizes or dim % sizes[axis]
-            ):
-                axis = None
-            out.append(axis)
-        return P(*out)
+        logical = logical_axes(path, len(shape))
+        for dim, name in zip(shape, logical, strict=True):
+            _check_divides(sizes, _mesh_axes_of(name, sizes),
+                           f"dimension {name!r} of parameter {'.'.join(map(str, path))}", dim)
+        return spec_for(logical, mesh)
 
     return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def named_shardings(specs, mesh) -> Any:
+    """``NamedSharding(mesh, spec)`` for every ``PartitionSpec`` leaf of ``specs``."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def cache_spec(mesh) -> P:
+    """KV cache [L, B, S, kv_heads, head_dim]: batch over (data, fsdp), KV heads over tensor."""
+    return spec_for(("layers", "batch", "length", "kv_heads", "head_dim"), mesh)
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint of an activation by logical axes, under the mesh being traced for.
+
+    Inside ``jax.sharding.use_abstract_mesh(mesh.abstract_mesh)`` (the trainer step sets it) this
+    pins e.g. the residual stream to ``("batch", None, None)`` so that GSPMD all-gathers FSDP
+    weights where they are used instead of resharding activations to the weights' layout; with
+    no mesh in context (the sampler, plain calls) it is the identity.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(BATCH_AXES) & set(mesh.axis_names):
+        return x
+    return jax.lax.with_sharding_constraint(x, spec_for(logical, mesh))

@@ -7,6 +7,12 @@ Layout conventions used by the model, the sampler and ``token_logprobs``:
   so a left-padded prompt gets the same positions as an unpadded one.
 * Routing arrays are ``[num_moe_layers, B, T, k]`` int32 over the tokens *fed* to the model, in
   block order of ``config.moe_layer_ids``.
+* Blocks are stacked: the MoE blocks' parameters live in ``moe_layers`` with a leading
+  ``[num_moe_layers]`` axis, the dense blocks' (``mlp_only_layers``) in ``dense_layers``
+  (``[len(mlp_only_layers)]``). The forward pass walks ``config.layer_runs`` (maximal runs of
+  one kind in block order) and ``jax.lax.scan``s each run with one compiled block body, so
+  compile time does not grow with depth (a uniform model is one scan). The KV cache is one
+  ``LayerCache`` stacked over all blocks in block order.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from sat_jax.models import _checks
+from sat_jax.models import sharding as _sharding
 from sat_jax.models.config import ModelConfig
 from sat_jax.models.layers import (
     MLP,
@@ -29,6 +37,12 @@ from sat_jax.models.layers import (
     load_balancing_loss,
 )
 
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole block in the backward pass
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
 
 class ForwardOutput(NamedTuple):
     """What one forward pass returns.
@@ -39,15 +53,17 @@ class ForwardOutput(NamedTuple):
         ones when ``routing`` was passed).
       load_balancing_loss: scalar float32, Switch loss averaged over MoE layers (fresh top-k), over
         tokens with ``input_mask``; unscaled by ``router_aux_loss_coef``.
-      cache: per-layer ``LayerCache`` tuple when a cache was passed, else None.
-      hidden: [B, T − logits_from, d] final-RMSNorm'd hidden states in the compute dtype with
-        ``return_hidden=True`` (the LM head is then skipped), else None.
+      cache: the stacked ``LayerCache`` ([L, B, S, kv_heads, head_dim]) when a cache was passed,
+        else None.
+      hidden: with ``return_hidden=True``, the final-RMSNorm'd hidden states
+        [B, T − logits_from, d] in the compute dtype (logits = hidden · ``lm_head_weight()``);
+        else None.
     """
 
     logits: jax.Array | None
     routing: jax.Array
     load_balancing_loss: jax.Array
-    cache: tuple[LayerCache, ...] | None
+    cache: LayerCache | None
     hidden: jax.Array | None = None
 
 
@@ -60,18 +76,20 @@ class Block(nnx.Module):
     """Pre-norm block: x + Attn(RMSNorm(x)), then x + FFN(RMSNorm(x)); FFN is MoE or SwiGLU."""
 
     def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        pdt = cfg.param_dtype
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=pdt)
         self.self_attn = Attention(cfg, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=pdt)
         if moe:
             self.mlp = MoE(cfg, rngs=rngs)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, std=cfg.init_std, rngs=rngs)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, std=cfg.init_std, rngs=rngs,
+                           dtype=pdt)
         self.is_moe = moe
 
-    def __call__(self, x, positions, kv_mask, cache, cache_index, replay):
+    def __call__(self, x, positions, kv_mask, cache, cache_index, layer, replay):
         h, new_cache = self.self_attn(self.input_layernorm(x), positions, kv_mask, cache,
-                                      cache_index)
+                                      cache_index, layer)
         x = x + h
         hn = self.post_attention_layernorm(x)
         if self.is_moe:
@@ -81,28 +99,50 @@ class Block(nnx.Module):
         return x + y, new_cache, indices, z
 
 
-class Transformer(nnx.Module):
-    """Decoder-only MoE transformer (embed → blocks → RMSNorm → LM head), parameters float32.
+def _block_stack(cfg: ModelConfig, *, moe: bool, n: int, rngs: nnx.Rngs) -> Block:
+    """``n`` blocks of one kind with their parameters stacked on a leading axis (nnx.vmap)."""
 
-    Compute dtype is ``config.dtype``; it lives in the graphdef, so a bfloat16 engine and a float32
-    trainer share one parameter ``State`` but use different graphdefs (see ``graphdef_for``).
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(r):
+        return Block(cfg, moe=moe, rngs=r)
+
+    return make(rngs)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only MoE transformer (embed → blocks → RMSNorm → LM head).
+
+    Parameters are stored in ``config.param_dtype`` and cast to the compute dtype
+    ``config.dtype`` at use; the compute dtype lives in the graphdef, so a bfloat16 engine and a
+    float32 trainer share one parameter ``State`` but use different graphdefs (``graphdef_for``).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         cfg = config
         self.config = cfg
         self.embed_tokens = nnx.Param(
-            cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size))
+            (cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
+                                              jnp.float32)).astype(cfg.param_dtype)
         )
-        moe_ids = set(cfg.moe_layer_ids)
-        self.layers = nnx.List(
-            [Block(cfg, moe=i in moe_ids, rngs=rngs) for i in range(cfg.num_layers)]
+        n_moe, n_dense = cfg.num_moe_layers, len(cfg.dense_layer_ids)
+        self.moe_layers = _block_stack(cfg, moe=True, n=n_moe, rngs=rngs) if n_moe else None
+        self.dense_layers = (
+            _block_stack(cfg, moe=False, n=n_dense, rngs=rngs) if n_dense else None
         )
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.param_dtype)
         self.lm_head = (
             None if cfg.tie_embeddings
-            else Dense(cfg.hidden_size, cfg.vocab_size, std=cfg.init_std, rngs=rngs)
+            else Dense(cfg.hidden_size, cfg.vocab_size, std=cfg.init_std, rngs=rngs,
+                       dtype=cfg.param_dtype)
         )
+
+    def lm_head_weight(self) -> jax.Array:
+        """The [d, V] output projection (``lm_head.kernel``, or ``embed_tokens.T`` when tied), in
+        the parameter dtype; logits = hidden · W after casting W to the compute dtype."""
+        if self.lm_head is None:
+            return self.embed_tokens[...].T
+        return self.lm_head.kernel[...]
 
     def __call__(
         self,
@@ -111,7 +151,7 @@ class Transformer(nnx.Module):
         input_mask: jax.Array | None = None,
         positions: jax.Array | None = None,
         routing: jax.Array | None = None,
-        cache: tuple[LayerCache, ...] | None = None,
+        cache: LayerCache | None = None,
         cache_index: jax.Array | int = 0,
         kv_mask: jax.Array | None = None,
         logits_from: int = 0,
@@ -124,15 +164,17 @@ class Transformer(nnx.Module):
           input_mask: [B, T] bool, real tokens (default all). Masked tokens are never attended to.
           positions: [B, T] int rotary positions (default ``positions_from_mask(input_mask)``).
           routing: [num_moe_layers, B, T, k] int expert indices to replay instead of choosing.
-          cache: per-layer ``LayerCache`` ([B, S, kv_heads, head_dim]); the call writes its keys and
-            values at slots [cache_index, cache_index + T) and attends over all S slots.
+          cache: stacked ``LayerCache`` ([L, B, S, kv_heads, head_dim], from ``init_cache``); the
+            call writes its keys and values at slots [cache_index, cache_index + T) of every
+            block's row and attends over all S slots.
           cache_index: first cache slot of this call (a traced scalar is fine).
           kv_mask: [B, S] bool, which cache slots hold real tokens (required with ``cache``; it must
             already mark this call's own slots).
           logits_from: static; compute logits only for positions t ≥ logits_from (saves the LM head
             on prompts).
-          return_hidden: static; skip the LM head and return the normed hidden states instead
-            (``logits`` None), for log-probs computed chunk by chunk (``chunked_logprobs``).
+          return_hidden: static; return the final-normed hidden states in ``hidden`` instead of
+            logits (``logits`` is None), for a caller that applies ``lm_head_weight()`` itself
+            (chunked log-probs).
         Returns:
           ``ForwardOutput``.
         """
@@ -153,69 +195,126 @@ class Transformer(nnx.Module):
             _checks.check_shape("routing", routing, (cfg.num_moe_layers, b, t, k))
             _checks.check_integer("routing", routing)
             _checks.check_token_ids("routing", routing, cfg.num_experts)
+            routing = routing.astype(jnp.int32)
         if cache is None:
             kv_mask = input_mask
         else:
-            if len(cache) != cfg.num_layers:
-                raise ValueError(f"cache must hold {cfg.num_layers} layers, got {len(cache)}")
+            if not isinstance(cache, LayerCache) or cache.k.ndim != 5:
+                raise ValueError("cache must be the stacked LayerCache of init_cache "
+                                 "([L, B, S, kv_heads, head_dim] arrays)")
+            _checks.check_shape("cache.k", cache.k, (cfg.num_layers, b, None, cfg.num_kv_heads,
+                                                     cfg.head_dim))
+            _checks.check_shape("cache.v", cache.v, cache.k.shape)
             if kv_mask is None:
                 raise ValueError("kv_mask is required with cache")
-            _checks.check_shape("kv_mask", kv_mask, (b, cache[0].k.shape[1]))
+            _checks.check_shape("kv_mask", kv_mask, (b, cache.k.shape[2]))
             kv_mask = kv_mask.astype(jnp.bool_)
         if not 0 <= logits_from < t:
             raise ValueError(f"logits_from must lie in [0, {t}), got {logits_from}")
 
-        x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(cfg.dtype)
-        new_cache, used, lb = [], [], []
-        moe_i = 0
-        for i, block in enumerate(self.layers):
-            replay = None
-            if block.is_moe and routing is not None:
-                replay = routing[moe_i]
-            layer_cache = None if cache is None else cache[i]
-            if cfg.remat and cache is None:
-                x, c, idx, z = nnx.remat(
-                    lambda blk, x_, rp: blk(x_, positions, kv_mask, None, 0, rp)
-                )(block, x, replay)
-            else:
-                x, c, idx, z = block(x, positions, kv_mask, layer_cache, cache_index, replay)
-            new_cache.append(c)
-            if block.is_moe:
+        act = ("batch", None, None)
+        # FSDP: gather the table (a parameter-sized all-gather) and look up locally; left to
+        # itself GSPMD would instead move token-sized activations and ids to the table's layout.
+        table = _sharding.constrain(self.embed_tokens[...], ("vocab", None))
+        x = _sharding.constrain(jnp.take(table, tokens, axis=0).astype(cfg.dtype), act)
+        used, lb = [], []
+        for moe, start, stop in cfg.layer_runs:
+            ids = (cfg.moe_layer_ids if moe else cfg.dense_layer_ids)[start:stop]
+            replay = None if (routing is None or not moe) else routing[start:stop]
+            x, cache, idx, lbl = self._scan_run(
+                self.moe_layers if moe else self.dense_layers, start, stop, ids, x, positions,
+                kv_mask, cache, cache_index, replay, input_mask,
+            )
+            if moe:
                 used.append(idx)
-                lb.append(load_balancing_loss(z, k, input_mask))
-                moe_i += 1
-        h = self.norm(x[:, logits_from:])
+                lb.append(lbl)
+        h = _sharding.constrain(self.norm(x[:, logits_from:]), act)
         if return_hidden:
-            logits = None
-        elif self.lm_head is None:
-            logits = jnp.dot(h, self.embed_tokens[...].astype(h.dtype).T)
+            logits, hidden = None, h
         else:
-            logits = self.lm_head(h)
+            w = _sharding.constrain(self.lm_head_weight(), (None, "vocab"))
+            logits = jnp.dot(h, w.astype(h.dtype)).astype(jnp.float32)
+            hidden = None
         if used:
-            routing_out = jnp.stack(used)
-            lb_loss = jnp.mean(jnp.stack(lb))
+            routing_out = jnp.concatenate(used, axis=0)
+            lb_loss = jnp.mean(jnp.concatenate(lb, axis=0))
         else:
             routing_out = jnp.zeros((0, b, t, k), jnp.int32)
             lb_loss = jnp.zeros((), jnp.float32)
         return ForwardOutput(
-            logits=None if logits is None else logits.astype(jnp.float32),
+            logits=logits,
             routing=routing_out,
             load_balancing_loss=lb_loss,
-            cache=None if cache is None else tuple(new_cache),
-            hidden=h if return_hidden else None,
+            cache=cache,
+            hidden=hidden,
         )
 
-    def lm_head_weight(self) -> jax.Array:
-        """The output projection W [d, V] float32: logits = h · W (``embed_tokens``ᵀ when tied)."""
-        if self.lm_head is None:
-            return self.embed_tokens[...].T
-        return self.lm_head.kernel[...]
+    def _scan_run(self, stack, start, stop, ids, x, positions, kv_mask, cache, cache_index,
+                  replay, input_mask):
+        """Blocks ``start:stop`` of ``stack`` (global indices ``ids``) as one ``lax.scan``."""
+        cfg = self.config
+        graphdef, state = nnx.split(stack)
+        n = jax.tree.leaves(state)[0].shape[0]
+        if (start, stop) != (0, n):
+            state = jax.tree.map(lambda a: a[start:stop], state)
+        k = cfg.num_experts_per_tok
+
+        def body(carry, xs):
+            x, c = carry
+            layer_state, layer, rp = xs
+            block = nnx.merge(graphdef, layer_state)
+            x, c, idx, z = block(x, positions, kv_mask, c, cache_index, layer, rp)
+            x = _sharding.constrain(x, ("batch", None, None))
+            lbl = None if z is None else load_balancing_loss(z, k, input_mask)
+            return (x, c), (idx, lbl)
+
+        if cache is None and cfg.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        layers = jnp.asarray(ids, jnp.int32)
+        (x, cache), (idx, lbl) = jax.lax.scan(body, (x, cache), (state, layers, replay))
+        return x, cache, idx, lbl
 
 
-def init_model(config: ModelConfig, seed: int | jax.Array = 0) -> tuple[nnx.GraphDef, nnx.State]:
-    """Build the model and split it: ``(graphdef, params)``, params a float32 ``nnx.State``."""
-    model = Transformer(config, rngs=nnx.Rngs(params=seed))
-    return nnx.split(model, nnx.Param)
+def abstract_params(config: ModelConfig) -> nnx.State:
+    """Parameter shapes and dtypes (``jax.ShapeDtypeStruct`` leaves) of ``Transformer(config)``,
+    nothing allocated."""
+    return nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(params=0))),
+                     nnx.Param)
+
+
+def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh) -> nnx.State:
+    """``NamedSharding`` of every parameter on ``mesh`` (tree shaped like the parameters), from
+    ``sat_jax.models.sharding.LOGICAL_AXIS_RULES``.
+
+    Raises:
+      ValueError: the mesh does not divide a split dimension (``check_mesh``).
+    """
+    _sharding.check_mesh(config, mesh)
+    specs = _sharding.sharding_rules(abstract_params(config), mesh=mesh)
+    return _sharding.named_shardings(specs, mesh)
+
+
+def _init_state(config: ModelConfig, seed) -> nnx.State:
+    return nnx.state(Transformer(config, rngs=nnx.Rngs(params=seed)), nnx.Param)
+
+
+def init_model(
+    config: ModelConfig, seed: int | jax.Array = 0, mesh: jax.sharding.Mesh | None = None
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """Build the model's parameters: ``(graphdef, params)``, params an ``nnx.State`` in
+    ``config.param_dtype``.
+
+    The initialiser is one jitted program; with ``mesh`` its outputs are placed with
+    ``param_shardings(config, mesh)``, so every device materialises only its own shards and no
+    full-size parameter ever exists on one device or on the host. The values do not depend on
+    the mesh.
+    """
+    shardings = None if mesh is None else param_shardings(config, mesh)
+    key = seed
+    if not (isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key)):
+        key = jax.random.key(seed)
+    init = jax.jit(_init_state, static_argnums=0, out_shardings=shardings)
+    return graphdef_for(config), init(config, key)
 
 
 def graphdef_for(config: ModelConfig) -> nnx.GraphDef:
@@ -228,14 +327,23 @@ def graphdef_for(config: ModelConfig) -> nnx.GraphDef:
     return nnx.graphdef(abstract)
 
 
-def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> tuple[LayerCache, ...]:
-    """Zero KV cache: per layer k and v of [batch, length, num_kv_heads, head_dim] in ``dtype``
-    (default ``config.dtype``)."""
+def init_cache(
+    config: ModelConfig, batch: int, length: int, dtype=None, mesh: jax.sharding.Mesh | None = None
+) -> LayerCache:
+    """Zero KV cache, stacked over blocks: k and v of
+    [num_layers, batch, length, num_kv_heads, head_dim] in ``dtype`` (default ``config.dtype``).
+
+    With ``mesh`` it is created sharded (``sharding.cache_spec``: batch over (data, fsdp), KV
+    heads over tensor); ``batch`` and ``num_kv_heads`` must then divide those axes.
+    """
     dt = config.dtype if dtype is None else dtype
-    shape = (batch, length, config.num_kv_heads, config.head_dim)
-    return tuple(
-        LayerCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(config.num_layers)
-    )
+    shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+    if mesh is None:
+        return LayerCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+    _sharding.check_mesh(config, mesh, batch=batch)
+    sharding = NamedSharding(mesh, _sharding.cache_spec(mesh))
+    zeros = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
+    return LayerCache(zeros(), zeros())
 
 
 def param_count(params: nnx.State) -> int:

@@ -22,10 +22,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sat_jax import losses
 from sat_jax.models.logprobs import token_logprobs
+from sat_jax.models.sharding import BATCH_AXES, check_mesh
+from sat_jax.models.transformer import param_shardings
 
 AXIS = "data"
 
@@ -120,8 +123,6 @@ def _logprobs(graphdef, params, batch, spec: LossSpec, prompt_width: int):
 
 def policy_loss(params, batch, extra, *, graphdef, spec: LossSpec, prompt_width: int, axis_name):
     """Loss and metrics on one (local) shard of a batch; global over ``axis_name``."""
-    mask = batch["response_mask"]
-    behavior = batch["behavior_logp"]
     old_logp = ref_logp = None
     if spec.needs_old:
         old_logp = jax.lax.stop_gradient(
@@ -132,6 +133,21 @@ def policy_loss(params, batch, extra, *, graphdef, spec: LossSpec, prompt_width:
             _logprobs(graphdef, extra["ref"], batch, spec, prompt_width)[0]
         )
     logp, entropy, aux = _logprobs(graphdef, params, batch, spec, prompt_width)
+    loss, metrics = _objective(logp, entropy, old_logp, ref_logp, batch, spec, axis_name)
+    if spec.router_aux:
+        aux_loss = aux["aux_loss"] if axis_name is None else jax.lax.pmean(aux["aux_loss"],
+                                                                             axis_name)
+        loss = loss + aux_loss
+        metrics["loss/router_aux"] = aux_loss
+    metrics["loss/total"] = loss
+    return loss, metrics
+
+
+def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_name):
+    """The policy objective (+ corrections, KL, metrics) from per-token log-probs [B, N] of a
+    (local) batch shard; every batch statistic is global over ``axis_name``."""
+    mask = batch["response_mask"]
+    behavior = batch["behavior_logp"]
     denominator = behavior if spec.ratio_denominator == "rollout" else old_logp
     weights = None
     if spec.correction != "none":
@@ -160,53 +176,156 @@ def policy_loss(params, batch, extra, *, graphdef, spec: LossSpec, prompt_width:
         # Engine mismatch alone: trainer recompute vs engine log-probs of the same version.
         engine = losses.mismatch_metrics(old_logp, behavior, mask, axis_name=axis_name)
         metrics["mismatch/engine"] = engine["mismatch"]
-    if spec.router_aux:
-        aux_loss = aux["aux_loss"] if axis_name is None else jax.lax.pmean(aux["aux_loss"],
-                                                                             axis_name)
-        loss = loss + aux_loss
-        metrics["loss/router_aux"] = aux_loss
     metrics["train/entropy"] = losses.aggregate(entropy, mask, "token-mean", axis_name)
-    metrics["loss/total"] = loss
     return loss, metrics
 
 
-def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, mesh):
-    """Builds the jitted update ``step(state, batch, extra) -> (state, metrics)``.
+def _batch_axes(mesh) -> tuple[str, ...]:
+    """The mesh's batch axes (``data``, ``fsdp``; those it has)."""
+    return tuple(a for a in BATCH_AXES if a in mesh.shape)
 
-    ``batch`` holds the fields of :data:`BATCH_SPECS` as arrays sharded over ``mesh``'s ``data``
-    axis; ``extra`` is a dict with ``"old"`` (behaviour-version parameters, when the spec needs a
-    recompute) and ``"ref"`` (reference parameters, when ``kl_coef > 0``), replicated.
-    """
 
-    def grads_and_metrics(params, batch, extra):
-        def loss_fn(p):
-            return policy_loss(
-                p, batch, extra, graphdef=graphdef, spec=spec, prompt_width=prompt_width,
-                axis_name=AXIS,
-            )
-
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        return grads, metrics
-
-    sharded = jax.shard_map(
-        grads_and_metrics,
-        mesh=mesh,
-        in_specs=(P(), BATCH_SPECS, P()),
-        out_specs=(P(), P()),
+def _opt_shardings(optimizer, opt_state, param_shardings):
+    """The optimizer state's leaves shaped like the parameters get the parameters' shardings;
+    the rest (step counts) none (left to the compiler; they are scalars)."""
+    return optax.tree_map_params(
+        optimizer, lambda _, s: s, opt_state, param_shardings,
+        transform_non_params=lambda _: None,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
     )
 
-    def step(state: TrainState, batch, extra):
+
+def _constrain(tree, shardings):
+    def put(x, s):
+        return x if s is None else jax.lax.with_sharding_constraint(x, s)
+
+    return jax.tree.map(put, tree, shardings,
+                        is_leaf=lambda x: x is None or isinstance(x, NamedSharding))
+
+
+def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, mesh,
+                    donate: bool = False):
+    """Builds the update ``step(state, batch, extra) -> (state, metrics)``.
+
+    Layout on ``mesh`` (``sat_jax.parallel.make_mesh``: axes data, fsdp, expert, tensor):
+
+    * Parameters, gradients and optimizer state in the table of ``sat_jax.models.sharding``
+      (``param_shardings``; the optimizer moments take their parameter's sharding); the step's
+      outputs are constrained to it, so the state keeps its layout step after step.
+    * The batch split over ``data × fsdp`` (``BATCH_AXES``). The model (log π_θ, the recomputed
+      log μ̃ and the reference) runs under GSPMD: ``jax.jit`` inserts the FSDP all-gathers,
+      expert- and tensor-parallel collectives.
+    * The policy objective runs inside ``jax.shard_map`` over ``data × fsdp`` with
+      ``axis_name=("data", "fsdp")``, on each device's own rows of the [B, N] per-token arrays:
+      its batch statistics (means, counts, SAT's quantile) are global through scalar ``psum``s,
+      and no token-sized array is all-gathered.
+
+    A 1-D data mesh (fsdp = expert = tensor = 1) is plain data parallelism: parameters
+    replicated (every spec is ``P()``), the batch split over ``data``.
+
+    ``batch`` holds the fields of :data:`BATCH_SPECS` (batch axis first; ``routing`` second);
+    ``extra`` is a dict with ``"old"`` (behaviour-version parameters, when the spec needs a
+    recompute) and ``"ref"`` (reference parameters, when ``kl_coef > 0``).
+
+    Donation: with ``donate`` the optimizer state's buffers are donated (updated in place, no
+    second copy of the moments at the step's peak); the caller must then not reuse the input
+    state's optimizer state (the learner does not: it replaces the state by the step's output,
+    and checkpoints copy to host before returning). The parameters are never donated: the
+    snapshot store keeps earlier parameter versions (the behaviour policy of stale rollouts) by
+    reference, so the input parameters must survive the step. Off by default so that callers
+    that step one state twice (tests, studies) keep working.
+
+    Raises (while tracing, before anything compiles):
+      ValueError: the mesh does not divide the model or the batch, naming the axis and the
+        dimension.
+    """
+    axes = _batch_axes(mesh)
+    axis_name = axes if axes else None
+
+    def objective(local, batch):
+        return _objective(local["logp"], local["entropy"], local.get("old"), local.get("ref"),
+                          batch, spec, axis_name)
+
+    def train(params, opt_state, count, batch, extra):
         batch = {k: batch[k] for k in BATCH_SPECS}
-        grads, metrics = sharded(state.params, batch, extra)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        model_cfg = nnx.merge(graphdef, params).config
+        check_mesh(model_cfg, mesh, batch=batch["tokens"].shape[0])
+        shardings = param_shardings(model_cfg, mesh)
+        row = NamedSharding(mesh, P(axes))
+        batch = {k: jax.lax.with_sharding_constraint(
+            v, NamedSharding(mesh, P(None, axes)) if k == "routing" else row)
+            for k, v in batch.items()}
+        loss_fields = {k: batch[k] for k in ("response_mask", "behavior_logp", "advantages")}
+        smap = jax.shard_map(objective, mesh=mesh, in_specs=P(axes), out_specs=(P(), P()))
+
+        def loss_fn(p):
+            local = {}
+            if spec.needs_old:
+                local["old"] = jax.lax.stop_gradient(
+                    _logprobs(graphdef, extra["old"], batch, spec, prompt_width)[0])
+            if spec.needs_ref:
+                local["ref"] = jax.lax.stop_gradient(
+                    _logprobs(graphdef, extra["ref"], batch, spec, prompt_width)[0])
+            local["logp"], local["entropy"], aux = _logprobs(graphdef, p, batch, spec,
+                                                             prompt_width)
+            loss, metrics = smap(local, loss_fields)
+            if spec.router_aux:  # the model's Switch loss, over the global batch
+                loss = loss + aux["aux_loss"]
+                metrics["loss/router_aux"] = aux["aux_loss"]
+            metrics["loss/total"] = loss
+            return loss, metrics
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        grads = _constrain(grads, shardings)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = _constrain(optax.apply_updates(params, updates), shardings)
+        opt_state = _constrain(opt_state, _opt_shardings(optimizer, opt_state, shardings))
         metrics["optim/grad_norm"] = optax.tree.norm(grads)
         metrics["optim/update_norm"] = optax.tree.norm(updates)
-        return TrainState(params, opt_state, state.step + 1), metrics
+        return params, opt_state, count + 1, metrics
 
-    # No buffer donation: the snapshot store keeps references to earlier parameter versions.
-    return jax.jit(step)
+    def train_on_mesh(*args):
+        # The model's activation constraints (sharding.constrain) read the mesh from here.
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return train(*args)
+
+    jitted = jax.jit(train_on_mesh, donate_argnums=(1,) if donate else ())
+
+    def step(state: TrainState, batch, extra):
+        params, opt_state, count, metrics = jitted(state.params, state.opt_state, state.step,
+                                                   batch, extra)
+        return TrainState(params, opt_state, count), metrics
+
+    # The compiled program's handles, for tests and ahead-of-time compilation.
+    step._cache_size = jitted._cache_size
+    step.lower = lambda state, batch, extra: jitted.lower(state.params, state.opt_state,
+                                                          state.step, batch, extra)
+    return step
 
 
-def init_train_state(params: nnx.State, optimizer) -> TrainState:
-    return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+def init_train_state(params: nnx.State, optimizer, mesh=None, *, config=None) -> TrainState:
+    """The state before the first update: ``params``, ``optimizer.init(params)`` and step 0.
+
+    With ``mesh``, parameters are placed in ``param_shardings(config, mesh)`` (a no-op for
+    parameters already there, e.g. from ``init_model(config, mesh=mesh)`` or ``load_hf(...,
+    mesh=mesh)``; without ``config`` the parameters' own shardings are kept) and the optimizer
+    state is created directly sharded (``jax.jit(optimizer.init)`` with the moments' output
+    shardings those of their parameters), so no full-size moment exists on one device.
+    """
+    if mesh is None:
+        return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+    if config is not None:
+        shardings = param_shardings(config, mesh)
+        params = jax.device_put(params, shardings)
+    else:
+        shardings = jax.tree.map(lambda x: x.sharding, params)
+    abstract = jax.eval_shape(optimizer.init, params)
+    replicated = NamedSharding(mesh, P())
+    opt_sh = optax.tree_map_params(
+        optimizer, lambda _, s: s, abstract, shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+    return TrainState(params, opt_state, step)

@@ -63,7 +63,7 @@ class DecodeState(NamedTuple):
     tokens: jax.Array  # [B, P + N] int32
     input_mask: jax.Array  # [B, P + N] bool
     prompt_lengths: jax.Array  # [B] int32
-    cache: tuple[LayerCache, ...]  # per layer [B, P + N, kv_heads, head_dim], engine dtype
+    cache: LayerCache  # stacked [L, B, P + N, kv_heads, head_dim], engine dtype
     step: jax.Array  # int32 scalar: response tokens decoded so far
     done: jax.Array  # [B] bool: EOS sampled
     behavior_logp: jax.Array  # [B, N] float32

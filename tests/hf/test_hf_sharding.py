@@ -1,6 +1,6 @@
-"""sharding_rules on 8 fake CPU devices (tests/conftest.py): a (data 2, expert 2, model 2) mesh,
-parameters placed with the rules, forward pass equal to the unsharded one; load_hf(mesh=...) places
-parameters directly with the same specs."""
+"""The sharding table on 8 fake CPU devices (tests/conftest.py): specs per parameter on a
+(fsdp 2, expert 2, tensor 2) mesh, a forward pass on sharded parameters equal to the unsharded
+one, and load_hf(mesh=...) placing each tensor straight into that layout."""
 
 from __future__ import annotations
 
@@ -9,30 +9,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sat_jax.models import ModelConfig, Transformer, init_model, param_path, sharding_rules
+from sat_jax import parallel
+from sat_jax.models import (
+    ModelConfig,
+    abstract_params,
+    init_model,
+    param_path,
+    param_shardings,
+    sharding_rules,
+)
 
 CFG = ModelConfig(
-    vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+    vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(1,),
     intermediate_size=24,
 )
-AXES = ("data", "expert", "model")
+FE = ("fsdp", "expert")
 
 
 @pytest.fixture(scope="module")
 def mesh():
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    return jax.make_mesh((2, 2, 2), AXES, axis_types=(AxisType.Auto,) * 3)
-
-
-def _abstract_params(config):
-    """Parameter shapes only: the rules read nothing else, and nothing is allocated."""
-    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(params=0)))
-    return nnx.state(model, nnx.Param)
+    return parallel.make_mesh(num_data=1, fsdp=2, expert=2, tensor=2)
 
 
 def _specs(tree):
@@ -40,45 +40,40 @@ def _specs(tree):
 
 
 def test_rules_per_parameter(mesh):
-    params = _abstract_params(CFG)
-    specs = _specs(sharding_rules(params, mesh=mesh))
-    assert specs[("embed_tokens",)] == P("model", None)
-    assert specs[("lm_head", "kernel")] == P(None, "model")
-    assert specs[("layers", 0, "self_attn", "q_proj", "kernel")] == P(None, "model")
-    assert specs[("layers", 0, "self_attn", "o_proj", "kernel")] == P("model", None)
-    assert specs[("layers", 0, "self_attn", "q_norm", "weight")] == P(None)
-    assert specs[("layers", 0, "mlp", "gate", "kernel")] == P(None, None)  # router replicated
-    assert specs[("layers", 0, "mlp", "gate_proj")] == P("expert", None, "model")
-    assert specs[("layers", 0, "mlp", "up_proj")] == P("expert", None, "model")
-    assert specs[("layers", 0, "mlp", "down_proj")] == P("expert", "model", None)
-    assert specs[("layers", 1, "mlp", "up_proj", "kernel")] == P(None, "model")  # dense block
-    assert specs[("layers", 1, "mlp", "down_proj", "kernel")] == P("model", None)
-    # Without the mesh nothing is checked; a role can be dropped; sizes the mesh does not divide
-    # stay unsplit.
-    no_expert = _specs(sharding_rules(params, mesh_axes=("data", None, "model")))
-    assert no_expert[("layers", 0, "mlp", "gate_proj")] == P(None, None, "model")
-    odd = _abstract_params(CFG.replace(num_experts=3, vocab_size=63))
-    odd_specs = _specs(sharding_rules(odd, mesh=mesh))
-    assert odd_specs[("layers", 0, "mlp", "gate_proj")] == P(None, None, "model")
-    assert odd_specs[("embed_tokens",)] == P(None, None)
-    with pytest.raises(ValueError, match="mesh_axes"):
-        sharding_rules(params, mesh_axes=("data", "model"))
+    specs = _specs(sharding_rules(abstract_params(CFG), mesh=mesh))
+    assert specs[("embed_tokens",)] == P("tensor", FE)
+    assert specs[("lm_head", "kernel")] == P(FE, "tensor")
+    assert specs[("norm", "weight")] == P()
+    # Stacked blocks: a leading, unsplit layer axis.
+    assert specs[("moe_layers", "self_attn", "q_proj", "kernel")] == P(None, FE, "tensor")
+    assert specs[("moe_layers", "self_attn", "k_proj", "kernel")] == P(None, FE, "tensor")
+    assert specs[("moe_layers", "self_attn", "o_proj", "kernel")] == P(None, "tensor", FE)
+    assert specs[("moe_layers", "self_attn", "q_norm", "weight")] == P()
+    assert specs[("moe_layers", "mlp", "gate", "kernel")] == P()  # router replicated
+    assert specs[("moe_layers", "mlp", "gate_proj")] == P(None, "expert", "fsdp", "tensor")
+    assert specs[("moe_layers", "mlp", "up_proj")] == P(None, "expert", "fsdp", "tensor")
+    assert specs[("moe_layers", "mlp", "down_proj")] == P(None, "expert", "tensor", "fsdp")
+    assert specs[("dense_layers", "mlp", "up_proj", "kernel")] == P(None, FE, "tensor")
+    assert specs[("dense_layers", "mlp", "down_proj", "kernel")] == P(None, "tensor", FE)
+    # A data-only mesh replicates everything (plain data parallelism).
+    data = _specs(sharding_rules(abstract_params(CFG), mesh=parallel.make_mesh(8)))
+    assert set(data.values()) == {P()}
 
 
 def test_sharded_forward_matches_unsharded(mesh):
     graphdef, params = init_model(CFG, seed=1)
-    # Larger weights so that activations and routing are far from trivial.
-    params = jax.tree.map(lambda x: x * 5.0 if x.ndim > 1 else x, params)
-    specs = sharding_rules(params, mesh=mesh)
-    sharded = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
-    experts = sharded["layers"][0]["mlp"]["gate_proj"][...]
-    assert experts.addressable_shards[0].data.shape == (2, 32, 8)  # E/2 experts, f/2 wide
+    _, sharded = init_model(CFG, seed=1, mesh=mesh)
+    # Same values whatever the placement; each device holds only its shard.
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 params, sharded)
+    experts = sharded["moe_layers"]["mlp"]["gate_proj"][...]
+    assert experts.addressable_shards[0].data.shape == (2, 2, 16, 8)  # [L, E/2, d/2, f/2]
     tokens = jax.random.randint(jax.random.key(0), (4, 10), 0, CFG.vocab_size)
     mask = jnp.ones((4, 10), bool).at[1, :3].set(False)
 
     fwd = jax.jit(lambda p, t, m: nnx.merge(graphdef, p)(t, input_mask=m))
     want = fwd(params, tokens, mask)
-    batch = NamedSharding(mesh, P("data"))
+    batch = NamedSharding(mesh, P(("data", "fsdp")))
     got = fwd(sharded, jax.device_put(tokens, batch), jax.device_put(mask, batch))
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=2e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(got.routing), np.asarray(want.routing))
@@ -89,13 +84,16 @@ def test_load_hf_places_on_the_mesh(mesh, tmp_path):
     from sat_jax.models import load_hf, save_hf
 
     graphdef, params = init_model(CFG, seed=2)
-    save_hf(tmp_path, CFG, params)
+    save_hf(tmp_path, CFG, params, max_shard_size="20KB")
     _, _, placed = load_hf(tmp_path, mesh=mesh)
-    want = _specs(sharding_rules(params, mesh=mesh))
+    want = _specs(param_shardings(CFG, mesh))
     for path, leaf in jax.tree_util.tree_flatten_with_path(placed)[0]:
-        p = param_path(path)
-        assert leaf.sharding == NamedSharding(mesh, want[p]), p
+        assert leaf.sharding == want[param_path(path)], param_path(path)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 placed, params)
     tokens = jnp.arange(20, dtype=jnp.int32).reshape(2, 10)
     fwd = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t).logits)
     np.testing.assert_allclose(np.asarray(fwd(placed, tokens)), np.asarray(fwd(params, tokens)),
                                atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"'expert' \(8\).*num_experts=4"):
+        load_hf(tmp_path, mesh=parallel.make_mesh(num_data=1, expert=8))

@@ -1,0 +1,120 @@
+"""Stacked, scanned blocks and the contracts other modules build on: one block body whatever the
+depth, runs of MoE / dense blocks, the hidden-state output with ``lm_head_weight``, the expert-FFN
+signature, remat policies and the parameter dtype."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sat_jax.models import ModelConfig, abstract_params, graphdef_for, init_model, token_logprobs
+from sat_jax.models.layers import _dense_expert_ffn
+
+SMALL = dict(vocab_size=32, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
+             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, intermediate_size=16)
+
+
+def _jaxpr_dots(config) -> int:
+    graphdef = graphdef_for(config)
+    tokens = jax.ShapeDtypeStruct((2, 5), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda p, t: nnx.merge(graphdef, p)(t).logits)(
+        abstract_params(config), tokens)
+    return str(jaxpr).count("dot_general")
+
+
+def test_program_size_does_not_grow_with_depth():
+    shallow = _jaxpr_dots(ModelConfig(num_layers=2, **SMALL))
+    deep = _jaxpr_dots(ModelConfig(num_layers=12, **SMALL))
+    assert shallow == deep  # one scanned block body
+    # Mixed blocks: one body per run of one kind (here MoE, dense, MoE).
+    cfg = ModelConfig(num_layers=5, mlp_only_layers=(2,), **SMALL)
+    assert cfg.layer_runs == ((True, 0, 2), (False, 0, 1), (True, 2, 4))
+    assert ModelConfig(num_layers=4, mlp_only_layers=(0, 3), **SMALL).layer_runs == (
+        (False, 0, 1), (True, 0, 2), (False, 1, 2))
+
+
+def test_stacked_parameters_and_mixed_runs_route_per_layer():
+    cfg = ModelConfig(num_layers=4, mlp_only_layers=(1,), init_std=0.3, **SMALL)
+    graphdef, params = init_model(cfg, seed=0)
+    assert params["moe_layers"]["mlp"]["gate_proj"][...].shape == (3, 4, 16, 8)
+    assert params["dense_layers"]["mlp"]["up_proj"]["kernel"][...].shape == (1, 16, 16)
+    tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, cfg.vocab_size)
+    fwd = jax.jit(lambda p, t, r=None: nnx.merge(graphdef, p)(t, routing=r))
+    out = fwd(params, tokens)
+    assert out.routing.shape == (3, 2, 6, 2)
+    # Replaying one layer's routing changes that layer only: R3 indexes layers correctly.
+    forced = out.routing.at[2].set((out.routing[2] + 1) % cfg.num_experts)
+    replayed = fwd(params, tokens, forced)
+    np.testing.assert_array_equal(replayed.routing, forced)
+    assert float(jnp.max(jnp.abs(replayed.logits - out.logits))) > 1e-5
+
+
+def test_return_hidden_and_lm_head_weight_give_the_logits():
+    for tied in (False, True):
+        cfg = ModelConfig(num_layers=2, tie_embeddings=tied, **SMALL)
+        graphdef, params = init_model(cfg, seed=2)
+        tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % cfg.vocab_size
+
+        @jax.jit
+        def both(p, t, graphdef=graphdef):
+            model = nnx.merge(graphdef, p)
+            full = model(t, logits_from=2)
+            hid = model(t, logits_from=2, return_hidden=True)
+            return full, hid, model.lm_head_weight()
+
+        full, hid, w = both(params, tokens)
+        assert hid.logits is None and full.hidden is None
+        assert hid.hidden.shape == (2, 4, cfg.hidden_size) and w.shape == (16, cfg.vocab_size)
+        np.testing.assert_allclose(hid.hidden @ w, full.logits, atol=1e-6)
+        np.testing.assert_array_equal(hid.routing, full.routing)
+
+
+def test_dense_expert_ffn_hand_example():
+    # Two experts of width 1, d = 1: Expert_e(x) = down_e · silu(gate_e x) · (up_e x).
+    x = jnp.array([[1.0], [2.0]])
+    gate = jnp.array([[[1.0]], [[-1.0]]])
+    up = jnp.array([[[2.0]], [[3.0]]])
+    down = jnp.array([[[0.5]], [[1.0]]])
+    indices = jnp.array([[0], [1]], jnp.int32)
+    weights = jnp.array([[0.25], [1.0]])
+    y = _dense_expert_ffn(x, indices, weights, gate, up, down)
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    want = [0.25 * 0.5 * silu(1.0) * 2.0, 1.0 * 1.0 * silu(-2.0) * 6.0]
+    np.testing.assert_allclose(np.asarray(y)[:, 0], want, rtol=1e-6)
+    with pytest.raises(ValueError, match="impl"):
+        _dense_expert_ffn(x, indices, weights, gate, up, down, impl="ragged")
+
+
+@pytest.mark.parametrize("policy", ["full", "dots_saveable"])
+def test_remat_policies_change_memory_not_values(policy):
+    cfg = ModelConfig(num_layers=2, **SMALL)
+    graphdef, params = init_model(cfg, seed=3)
+    remat_graphdef, _ = init_model(cfg.replace(remat=policy), seed=3)
+    tokens = jnp.arange(14, dtype=jnp.int32).reshape(2, 7) % cfg.vocab_size
+
+    def grads(g):
+        return jax.jit(jax.grad(lambda p: -jnp.sum(token_logprobs(g, p, tokens)[0])))(params)
+
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
+                 grads(remat_graphdef), grads(graphdef))
+
+
+def test_config_options_and_param_dtype():
+    assert ModelConfig(remat=True).remat == "full" and ModelConfig(remat=False).remat == "none"
+    with pytest.raises(ValueError, match="remat"):
+        ModelConfig(remat="sometimes")
+    with pytest.raises(ValueError, match="moe_impl"):
+        ModelConfig(moe_impl="magic")
+    with pytest.raises(ValueError, match="param_dtype"):
+        ModelConfig(param_dtype=jnp.int32)
+    cfg = ModelConfig(num_layers=2, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, **SMALL)
+    graphdef, params = init_model(cfg, seed=4)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    # Same draw as the float32 master copy, rounded.
+    _, p32 = init_model(cfg.replace(param_dtype=jnp.float32), seed=4)
+    np.testing.assert_array_equal(
+        np.asarray(params["embed_tokens"][...]),
+        np.asarray(p32["embed_tokens"][...].astype(jnp.bfloat16)))
+    lp, _, _ = jax.jit(token_logprobs)(graphdef, params, jnp.ones((1, 4), jnp.int32))
+    assert lp.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(lp)))
