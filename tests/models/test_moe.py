@@ -141,13 +141,17 @@ def test_blocked_inside_remat_and_scan():
 def test_auto_picks_by_backend_and_size():
     assert moe._resolve("auto", "tpu", 1152, 4, 32, None) == "ragged"
     assert moe._resolve("auto", "gpu", 8, 4, 32, None) == "ragged"
-    # Training shapes on CPU: blocked (B = 32: 175 blocks, 5600 rows < 36,864 dense rows).
+    # Training shapes on CPU: B = 4608 / 64 → 64, ⌊(4608 + 32·63) / 64⌋ = 103 blocks, 6592 rows
+    # against 36,864 dense rows: blocked.
+    assert moe._default_block(1152 * 4, 32) == 64
+    assert moe._num_blocks(1152 * 4, 32, 64) == 103
     assert moe._resolve("auto", "cpu", 1152, 4, 32, None) == "blocked"
-    assert moe._default_block(1152 * 4, 32) == 32
-    assert moe._num_blocks(1152 * 4, 32, 32) == 175
-    # One decode step of 8 sequences: 32 padded blocks of 8 rows = 256 rows = N·E, so dense.
-    assert moe._resolve("auto", "cpu", 8, 4, 32, None) == "dense"
-    assert moe._resolve("blocked", "cpu", 8, 4, 32, None) == "blocked"
+    # One decode step of 8 sequences: 32 blocks of 8 rows = 256 = N·E rows, still blocked.
+    assert moe._resolve("auto", "cpu", 8, 4, 32, None) == "blocked"
+    # One token, 8 of 128 experts: 113 blocks of 8 rows = 904 > 2 · 128 rows: dense.
+    assert moe._num_blocks(8, 128, 8) == 113
+    assert moe._resolve("auto", "cpu", 1, 8, 128, None) == "dense"
+    assert moe._resolve("blocked", "cpu", 1, 8, 128, None) == "blocked"
 
 
 def _mesh(shape, names):
