@@ -23,37 +23,56 @@ Paths (``impl``), with M = N·k (token, expert) pairs:
   FLOPs 6·M·d·f on a grouped-matmul kernel (TPU, GPU); activations M·(2d + 3f). XLA:CPU expands
   ``ragged_dot`` to a masked dense product over all E groups, so on CPU it costs more than dense.
 * ``"blocked"`` — the CPU path: the same sort, but each expert's group padded to a multiple of a
-  block of B rows, so the sorted buffer is ⌊(M + E·(B−1))/B⌋ blocks of B rows that each belong to
-  one expert; the expert matmuls are then one batched matmul over blocks against the per-block
-  gathered weights [nb, d, f]. FLOPs 6·R·d·f with R = B·nb ≤ M + E·(B−1) rows; extra memory the
-  gathered weights 3·nb·d·f (their gradient is scattered back to [E, d, f]). B defaults to a
-  power of two near M/(4E) clipped to [8, 128], so the padding is ≤ ~25 % of M on average
-  and each block is still a matmul XLA:CPU runs efficiently.
-* ``"auto"`` — ``ragged`` on TPU/GPU; on CPU ``blocked``, unless its padded rows R reach the N·E
-  rows of the dense path (few tokens, many experts, e.g. one decode step), then ``dense``.
+  block of B rows, so the sorted buffer is nb = ⌊(M + E·(B−1))/B⌋ blocks of B rows that each
+  belong to one expert (blocks past the used ones hold zero rows); the expert matmuls are then one
+  batched matmul over blocks against the per-block gathered weights [nb, d, f]. FLOPs 6·R·d·f with
+  R = B·nb ≤ M + E·(B−1) rows; activations R·(2d + 3f); extra memory the gathered weights
+  3·nb·d·f (their gradient is scattered back to [E, d, f]). B defaults to the power of two
+  ≤ M/(2E), clipped to [8, 128].
+* ``"auto"`` — ``ragged`` on TPU/GPU; on CPU ``blocked``, unless its padded rows R exceed twice
+  the N·E rows of the dense path (a handful of tokens over many experts), then ``dense``.
 
-Measured on this 2-core CPU (``python benchmarks/moe.py``, f32, medians of interleaved runs; see the
-README of the benchmark's JSON for the exact numbers of the latest run), forward / forward+backward:
+Why ``blocked`` on CPU, measured on this 2-core CPU shared with other jobs (``python
+benchmarks/moe.py --repeats 15 --blocks 32,128``, f32; best of 15 interleaved runs, medians are
+1.5–3× higher under the load; fwd+bwd = gradients w.r.t. x, w and the three expert tensors;
+GFLOP from XLA's ``cost_analysis``):
 
-    ModelConfig.tiny() shapes (N 1152, d 128, E 32 top-4, f 32):
-      dense 7–12 ms / 70–210 ms   ragged 79 ms / 575 ms   blocked (B 32) 5 ms / 16 ms
-    default run (N 1664, d 64, E 16 top-4, f 32):
-      dense 5 ms / 46–52 ms       ragged 16 ms / 105 ms   blocked (B 64) 3.3 ms / 9 ms
+    ModelConfig.tiny()'s MoE, N 1152 (8 × 144), d 128, E 32 top-4, f 32:
+                           fwd ms    fwd+bwd ms   GFLOP fwd / fwd+bwd
+      dense                21.6      168          0.913 / 2.45
+      ragged              152        657          3.72  / 11.3   (XLA:CPU's dense expansion)
+      blocked, B 64         8.7       18–35       0.167 / 0.498
+      blocked, B 32 / 128   5.6 / 6.1 24 / 20     0.144 / 0.426, 0.216 / 0.645
+      torch grouped_mm     13.9      160          transformers' Qwen3MoeExperts, 2 threads
+    the default run's MoE, N 1664 (128 × 13), d 64, E 16 top-4, f 32:
+      dense                11.7       55          0.332 / 0.898
+      ragged               34.2      264          1.35  / 4.13
+      blocked, B 128        3.5–4.1   8.3–14      0.109 / 0.326
+      torch grouped_mm      7.3       82
+    one decode step, N 8, d 128, E 32 top-4 (forward only): dense 0.85 ms, blocked (B 8) 0.51.
 
-The backward of the dense path runs at a fraction of its forward's FLOP rate (issue 14); the
-blocked path's backward is ≈ 2× its forward, as a matmul's should be. ``lax.scan`` over blocks
-with dynamically sliced weights (no weight gather) was ≈ 1.3× slower than the batched matmul.
+The blocked path's backward costs 2–3× its forward in time (2× in FLOPs, as any matmul's); the
+dense path's 4–7× (issue 14). Block sizes 32–128 are within the noise of each other at training
+shapes and small blocks win at decode sizes, hence M/(2E). Measured and dropped: a ``lax.scan``
+over blocks with dynamically sliced weights (no weight gather), ≈ 1.3× slower; one fused [d, 2f]
+gate-and-up matmul, no faster; a one-hot-cumsum counting sort, no faster than ``argsort``. The
+batched matmuls are ≈ 80 % of the blocked path's forward+backward, the sort and permutations the
+rest. In the whole log-prob pass (``token_logprobs`` fwd+bwd with the MoE layers switched to
+``blocked``), the default model's backward went from 10–17× its forward to 2.4–2.7×, and the tiny
+model's fwd+bwd got 2.6× faster (paired medians, same load).
 
 The permutations into and out of the sorted buffer are gathers whose transposes would be
-scatter-adds (slow on XLA:CPU, serialised); since each pair occupies exactly one row, the transpose
+scatter-adds (on XLA:CPU 2.4× the time of the gather at these sizes); since each pair occupies
+exactly one row, the transpose
 of "gather by the row→pair map" is "gather by the pair→row map", and ``_permute`` says so with a
 custom VJP (as MaxText writes the sort's backward as the inverse permutation).
 
 Expert parallelism (``mesh`` with an ``expert_axis`` of size P > 1; experts split in P contiguous
 ranges of E/P, ``gate_proj`` etc. sharded on axis 0 over it): a ``jax.shard_map`` over that axis
 only (the other mesh axes stay with the compiler), in which each device runs the chosen path on
-its own E/P experts and only on the pairs routed to them (the others are sorted into a sink group
-that is never computed, or get a zero gate in ``dense``), then the partial outputs are summed.
+its own E/P experts and only on the pairs routed to them (the others are sorted into a sink
+group after the real ones, which no block holds and no ragged group covers, or get a zero gate in
+``dense``), then the partial outputs are summed.
 Two token layouts:
 
 * ``split_tokens=False`` (default; the layout of a batch split over data × fsdp only, tokens
