@@ -6,12 +6,13 @@ Prints one JSON object. Run: ``python benchmarks/moe.py`` (``--repeats 10 --no-t
 run). Shapes: ``tiny`` = ``ModelConfig.tiny()``'s MoE at the log-prob pass of issue 10 (8 × 144
 tokens, d 128, 32 experts top-4, f 32); ``default`` = the default run's at the trainer's batch
 (128 × 13 tokens, d 64, 16 experts top-4, f 32); ``*_decode`` = one decode step of those runs
-(forward only: the case where ``auto`` falls back to dense on CPU). Times are medians of
-interleaved repeats of jitted calls after a warm-up, ``block_until_ready`` included; speedups are
-medians of back-to-back pairs. ``bwd_over_fwd`` = (fwd+bwd − fwd) / fwd, in time and in FLOPs.
-forward+backward = the gradient w.r.t. x, the gates and the three expert tensors of ⟨y, c⟩ for a
-fixed random cotangent c. FLOPs are ``compiled.cost_analysis()["flops"]`` (XLA:CPU counts
-``ragged_dot`` as the dense expansion it runs).
+(forward only). Times are medians (and minima: the machine is shared) of interleaved repeats of
+jitted calls, each right after an untimed call of the same function, ``block_until_ready``
+included; speedups are medians of same-round pairs. ``bwd_over_fwd`` = (fwd+bwd − fwd) / fwd,
+in time and in FLOPs. forward+backward = the gradient w.r.t. x, the gates and the three expert
+tensors of ⟨y, c⟩ for a fixed random cotangent c. FLOPs are XLA's
+``compiled.cost_analysis()["flops"]`` (XLA:CPU counts ``ragged_dot`` as the dense expansion it
+runs).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import argparse
 import json
 import os
 import platform
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import interleaved_ms, paired_ratio
+from _timing import paired_ratio
 
 from sat_jax.models.moe import _default_block, _resolve, expert_ffn
 
@@ -107,6 +109,22 @@ def _torch_fns(args, ct, implementation):
 TORCH_IMPLS = ("grouped_mm", "eager")
 
 
+def _interleaved_warm_ms(fns, repeats):
+    """Like ``_timing.interleaved_ms`` (round-robin, so load drift hits all alike), but each call
+    is preceded by one untimed call of the same function: measured here, whichever function ran
+    right after a slow one (ragged's 0.5 s, torch) came out up to 2× slower than in other runs."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())  # compile + warm-up
+    rounds = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            jax.block_until_ready(fn())
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            rounds[name].append(time.perf_counter() - start)
+    return {k: float(np.median(v) * 1e3) for k, v in rounds.items()}, rounds
+
+
 def bench_shape(name, repeats, blocks, with_torch, paths=("dense", "ragged", "blocked")):
     n, d, e, k, f, fwd_only = SHAPES[name]
     args, ct = _inputs(n, d, e, k, f)
@@ -142,7 +160,7 @@ def bench_shape(name, repeats, blocks, with_torch, paths=("dense", "ragged", "bl
             if not fwd_only:
                 fns[f"{name_t}/fwd_bwd"] = t_fb
     # Zero-argument closures; jax.block_until_ready passes torch's tensors through unchanged.
-    ms, rounds = interleaved_ms(fns, (), repeats)
+    ms, rounds = _interleaved_warm_ms(fns, repeats)
     best = {k_: round(float(np.min(v)) * 1e3, 3) for k_, v in rounds.items()}
     results = {}
     base = "torch_grouped_mm"
