@@ -1,0 +1,380 @@
+"""The routed experts of the MoE layer: a dense reference and two dropless dispatching paths, with
+expert parallelism over a mesh axis.
+
+For tokens x_n (n < N), chosen experts e_{n,j} = ``indices[n, j]`` (j < k) and gate weights
+w_{n,j} = ``weights[n, j]`` (a differentiable function of the router logits, Eq. 40 under R3):
+
+    y_n = Σ_j w_{n,j} · Expert_{e_{n,j}}(x_n),   Expert_e(x) = (silu(x·G_e) ⊙ (x·U_e)) · D_e
+
+with G_e, U_e = ``gate_proj[e], up_proj[e]`` [d, f] and D_e = ``down_proj[e]`` [f, d]
+(Qwen3-MoE's SwiGLU experts; Shazeer et al. 2017, Fedus et al. 2021 for the routed layer).
+Every path below computes this same function, values and gradients (w.r.t. x, w and the three
+expert tensors; indices are discrete). Routing itself (top-k, R3 replay, capture) stays with the
+caller, so replay and the router's gradient behave identically whatever path runs here.
+
+Paths (``impl``), with M = N·k (token, expert) pairs:
+
+* ``"dense"`` — the reference: the gates scattered to [N, E] (zero off the chosen set) and every
+  expert run on every token. FLOPs 6·N·E·d·f forward; activations 3·N·E·f. Exact and simple,
+  E/k times the work of a dispatching path.
+* ``"ragged"`` — dropless dispatch (MegaBlocks, Gale et al. 2023): the M pairs sorted by expert
+  (a counting sort: each pair's row is its expert's start plus its rank among that expert's
+  pairs, from a cumsum of the [N, E] counts; no argsort), group sizes per expert, the rows
+  gathered in that order, the three expert matmuls as ``jax.lax.ragged_dot`` over the groups,
+  the rows weighted and summed back per token.
+  FLOPs 6·M·d·f on a grouped-matmul kernel (TPU, GPU); activations M·(2d + 3f). XLA:CPU expands
+  ``ragged_dot`` to a masked dense product over all E groups, so on CPU it costs more than dense.
+* ``"blocked"`` — the CPU path: the same sort, but each expert's group padded to a multiple of a
+  block of B rows, so the sorted buffer is nb = ⌊(M + E·(B−1))/B⌋ blocks of B rows that each
+  belong to one expert (blocks past the used ones hold zero rows); the expert matmuls are then one
+  batched matmul over blocks against the per-block gathered weights [nb, d, f]. FLOPs 6·R·d·f with
+  R = B·nb ≤ M + E·(B−1) rows; activations R·(2d + 3f); extra memory the gathered weights
+  3·nb·d·f (their gradient is scattered back to [E, d, f]). B defaults to the power of two
+  ≤ M/(2E), clipped to [8, 128].
+* ``"auto"`` — ``ragged`` on TPU/GPU; on CPU ``blocked``, unless its padded rows R exceed twice
+  the N·E rows of the dense path (a handful of tokens over many experts), then ``dense``.
+
+Why ``blocked`` on CPU, measured on this 2-core CPU shared with other jobs (``python
+benchmarks/moe.py --repeats 15 --blocks 32,128``, f32; best of 15 interleaved runs, medians are
+1.5–3× higher under the load; fwd+bwd = gradients w.r.t. x, w and the three expert tensors;
+GFLOP from XLA's ``cost_analysis``):
+
+    ModelConfig.tiny()'s MoE, N 1152 (8 × 144), d 128, E 32 top-4, f 32:
+                           fwd ms    fwd+bwd ms   GFLOP fwd / fwd+bwd
+      dense                21.6      168          0.913 / 2.45
+      ragged              152        657          3.72  / 11.3   (XLA:CPU's dense expansion)
+      blocked, B 64         8.7       18–35       0.167 / 0.498
+      blocked, B 32 / 128   5.6 / 6.1 24 / 20     0.144 / 0.426, 0.216 / 0.645
+      torch grouped_mm     13.9      160          transformers' Qwen3MoeExperts, 2 threads
+    the default run's MoE, N 1664 (128 × 13), d 64, E 16 top-4, f 32:
+      dense                11.7       55          0.332 / 0.898
+      ragged               34.2      264          1.35  / 4.13
+      blocked, B 128        3.5–4.1   8.3–14      0.109 / 0.326
+      torch grouped_mm      7.3       82
+    one decode step, N 8, d 128, E 32 top-4 (forward only): dense 0.85 ms, blocked (B 8) 0.51.
+
+The blocked path's backward costs 2–3× its forward in time (2× in FLOPs, as any matmul's); the
+dense path's 4–7× (issue 14). Block sizes 32–128 are within the noise of each other at training
+shapes and small blocks win at decode sizes, hence M/(2E). Measured and dropped: a ``lax.scan``
+over blocks with dynamically sliced weights (no weight gather), ≈ 1.3× slower; one fused [d, 2f]
+gate-and-up matmul, no faster; ``argsort`` for the sort, 4–5× slower than the counting sort
+(≈ 1 ms of the default run's 3.5 ms forward). The
+batched matmuls are ≈ 80 % of the blocked path's forward+backward, the sort and permutations the
+rest. In the whole log-prob pass (``token_logprobs`` fwd+bwd with the MoE layers switched to
+``blocked``), the default model's backward went from 10–17× its forward to 2.4–2.7×, and the tiny
+model's fwd+bwd got 2.6× faster (paired medians, same load).
+
+The permutations into and out of the sorted buffer are gathers whose transposes would be
+scatter-adds (on XLA:CPU 2.4× the time of the gather at these sizes); since each pair occupies
+exactly one row, the transpose
+of "gather by the row→pair map" is "gather by the pair→row map", and ``_permute`` says so with a
+custom VJP (as MaxText writes the sort's backward as the inverse permutation).
+
+Expert parallelism (``mesh`` with an ``expert_axis`` of size P > 1; experts split in P contiguous
+ranges of E/P, ``gate_proj`` etc. sharded on axis 0 over it): a ``jax.shard_map`` over that axis
+only (the other mesh axes stay with the compiler), in which each device runs the chosen path on
+its own E/P experts and only on the pairs routed to them (the others are sorted into a sink
+group after the real ones, which no block holds and no ragged group covers, or get a zero gate in
+``dense``), then the partial outputs are summed.
+Two token layouts:
+
+* ``split_tokens=False`` (default; the layout of a batch split over data × fsdp only, tokens
+  replicated over the expert axis): every device already holds all tokens, so nothing moves before
+  the experts; one ``psum`` (all-reduce, 2·N·d·(P−1)/P elements a device) combines the outputs.
+* ``split_tokens=True`` (batch also split over the expert axis, as in MaxText): the tokens, indices
+  and gates are all-gathered over the axis (N·d·(P−1)/P), the experts run, and a reduce-scatter
+  returns each device its own tokens' outputs (N·d·(P−1)/P).
+
+Why an all-gather rather than an all-to-all of the routed pairs: a dropless all-to-all needs its
+receive buffers sized for the worst case (every pair to one device), i.e. the same P·N_local·k
+rows as the gather of k copies, and ``ragged_all_to_all`` is not supported on every backend; the
+all-gather moves (P−1)·N_local·d elements, no more than the average all-to-all's
+k·(P−1)/P·N_local·d whenever P ≤ k (Qwen3-30B-A3B: k = 8), needs no capacity and no dynamic sizes,
+and differentiates into a reduce-scatter. The static shapes are still worst-case: each device's
+sorted buffer holds all M pairs (in ``blocked``, ⌊(M + E/P·(B−1))/B⌋ blocks), of which on average
+M/P are its own; ``ragged_dot`` kernels skip the rows beyond the groups, XLA:CPU's blocked path
+computes them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sat_jax.models import _checks
+
+IMPLS = ("auto", "dense", "ragged", "blocked")
+
+
+def expert_ffn(
+    x: jax.Array,
+    indices: jax.Array,
+    weights: jax.Array,
+    gate_proj: jax.Array,
+    up_proj: jax.Array,
+    down_proj: jax.Array,
+    *,
+    impl: str = "auto",
+    mesh: jax.sharding.Mesh | None = None,
+    expert_axis: str = "expert",
+    split_tokens: bool = False,
+    block_size: int | None = None,
+) -> jax.Array:
+    """y_n = Σ_j w_{n,j} · (silu(x_n·G_e) ⊙ (x_n·U_e)) · D_e with e = indices[n, j] (module doc).
+
+    Args:
+      x: [N, d] activations in the compute dtype (tokens flattened).
+      indices: [N, k] integer chosen experts (fresh top-k or R3-replayed), in [0, E). Checked when
+        concrete; under ``jit`` an out-of-range index is not detected (jnp gather semantics).
+      weights: [N, k] float gate weights of those experts (cast to x's dtype); differentiable, so
+        the router's gradient flows through them.
+      gate_proj, up_proj: [E, d, f]; down_proj: [E, f, d], in x's dtype.
+      impl: "auto" | "dense" | "ragged" | "blocked" (module doc).
+      mesh: optional mesh; when it has ``expert_axis`` of size > 1, experts are computed where
+        they live (expert parallelism). E must be divisible by that size.
+      expert_axis: name of the mesh axis the experts are split over.
+      split_tokens: under expert parallelism, whether the tokens are split over ``expert_axis``
+        (all-gather in, reduce-scatter out) or replicated over it (one all-reduce out).
+      block_size: rows per block of ``blocked`` (default from the shapes, see module doc).
+    Returns:
+      y [N, d] in x's dtype.
+    """
+    num_experts = _check_inputs(x, indices, weights, gate_proj, up_proj, down_proj, impl,
+                                block_size)
+    ep = 1
+    if mesh is not None and expert_axis in mesh.shape:
+        ep = int(mesh.shape[expert_axis])
+    if ep > 1 and num_experts % ep:
+        raise ValueError(
+            f"mesh axis {expert_axis!r} of size {ep} must divide the number of experts "
+            f"(gate_proj.shape[0] = {num_experts})"
+        )
+    platform = (mesh.devices.flat[0].platform if mesh is not None and hasattr(mesh, "devices")
+                else jax.default_backend())
+    weights = weights.astype(x.dtype)
+    if ep == 1:
+        path = _resolve(impl, platform, x.shape[0], indices.shape[1], num_experts, block_size)
+        return _local_ffn(path, x, indices, weights, gate_proj, up_proj, down_proj,
+                          offset=0, block_size=block_size)
+    return _expert_parallel(x, indices, weights, gate_proj, up_proj, down_proj, impl=impl,
+                            platform=platform, mesh=mesh, axis=expert_axis, ep=ep,
+                            split_tokens=split_tokens, block_size=block_size)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks and path choice
+
+
+def _check_inputs(x, indices, weights, gate_proj, up_proj, down_proj, impl, block_size) -> int:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    _checks.check_rank("x", x, 2)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x must be floating point, got dtype {x.dtype}")
+    n, d = x.shape
+    _checks.check_rank("indices", indices, 2)
+    k = indices.shape[1]
+    _checks.check_shape("indices", indices, (n, k))
+    _checks.check_integer("indices", indices)
+    _checks.check_shape("weights", weights, (n, k))
+    if not jnp.issubdtype(weights.dtype, jnp.floating):
+        raise ValueError(f"weights must be floating point, got dtype {weights.dtype}")
+    _checks.check_rank("gate_proj", gate_proj, 3)
+    e, _, f = gate_proj.shape
+    _checks.check_shape("gate_proj", gate_proj, (e, d, f))
+    _checks.check_shape("up_proj", up_proj, (e, d, f))
+    _checks.check_shape("down_proj", down_proj, (e, f, d))
+    for name, w in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name} must have x's dtype {x.dtype} (cast first), got {w.dtype}")
+    if _checks.is_concrete(indices) and indices.size:
+        idx = np.asarray(indices)
+        if idx.min() < 0 or idx.max() >= e:
+            raise ValueError(
+                f"indices must lie in [0, {e}) (gate_proj.shape[0] experts), got min "
+                f"{idx.min()}, max {idx.max()}"
+            )
+    return e
+
+
+def _default_block(m: int, e: int) -> int:
+    """The power of two ≤ M/(2E) (half the mean group), in [8, 128]; measured, see module doc."""
+    target = max(1, m // (2 * e))
+    return int(min(128, max(8, 2 ** int(math.floor(math.log2(target))))))
+
+
+def _num_blocks(m: int, e: int, block: int) -> int:
+    # Σ_e ceil(g_e / B) ≤ Σ_e (g_e + B − 1) / B = (M + E(B − 1)) / B for any split Σ g_e = M.
+    return max(1, (m + e * (block - 1)) // block)
+
+
+def _resolve(impl: str, platform: str, n: int, k: int, e: int, block_size: int | None) -> str:
+    """The concrete path of ``impl`` for a (local) problem of N tokens, k of E experts each."""
+    if impl != "auto":
+        return impl
+    if platform != "cpu":
+        return "ragged"
+    m = n * k
+    b = block_size or _default_block(m, e)
+    # Padded rows vs the dense path's N·E rows; at equal rows blocked still measured faster.
+    return "blocked" if _num_blocks(m, e, b) * b <= 2 * n * e else "dense"
+
+
+# --------------------------------------------------------------------------------------------
+# The single-device (or per-expert-shard) computation
+
+
+def _local_ffn(path, x, indices, weights, gate_proj, up_proj, down_proj, *, offset, block_size):
+    """The experts ``offset + [0, E_local)`` on all N tokens' pairs routed to them (others: 0)."""
+    n, k = indices.shape
+    m, e = n * k, gate_proj.shape[0]
+    local = indices.astype(jnp.int32) - offset
+    # Pairs of other devices' experts get key E: a sink after all real groups, never computed
+    # (and never negative: scatter and gather would wrap a negative index around).
+    local = jnp.where((local >= 0) & (local < e), local, e)
+    if path == "dense":
+        return _dense(x, local, weights, gate_proj, up_proj, down_proj)
+    # Counting sort, pair (n, j) → its rank among the pairs of its expert in flat order n·k + j
+    # (the rank a stable argsort would give): pairs of earlier tokens (an exclusive cumsum of the
+    # [N, E] counts) plus earlier duplicates within the token. 4–5× faster than argsort on CPU.
+    counts = jnp.zeros((n, e), jnp.int32).at[jnp.arange(n)[:, None], local].add(1, mode="drop")
+    sizes = jnp.sum(counts, axis=0)
+    earlier = jnp.cumsum(counts, axis=0) - counts
+    safe = jnp.minimum(local, e - 1)
+    earlier_slot = jnp.tri(k, k, -1, dtype=bool)[None]  # [1, j, j'] with j' < j
+    dup = jnp.sum((local[:, :, None] == local[:, None, :]) & earlier_slot, axis=-1)
+    rank = jnp.take_along_axis(earlier, safe, axis=1) + dup.astype(jnp.int32)
+    if path == "ragged":
+        rows = m
+        group_start = jnp.cumsum(sizes) - sizes
+    else:
+        block = block_size or _default_block(m, e)
+        nb = _num_blocks(m, e, block)
+        rows = nb * block
+        padded = (sizes + block - 1) // block * block
+        ends = jnp.cumsum(padded)
+        group_start = ends - padded
+        # Block b holds rows [bB, (b+1)B) of the expert whose padded range contains them; blocks
+        # past the used ones hold only zero rows and get the last expert (their output is unread).
+        # (A count of the ends ≤ bB, i.e. searchsorted; an [nb, E] compare is cheap here and,
+        # unlike jnp.searchsorted in JAX 0.10, works on shard_map's varying values.)
+        block_start = jnp.arange(nb, dtype=jnp.int32)[:, None] * block
+        block_expert = jnp.minimum(jnp.sum(ends[None, :] <= block_start, axis=1), e - 1)
+        block_expert = block_expert.astype(jnp.int32)
+    # row_of_pair: pair → row (sentinel `rows` for sink pairs); pair_of_row: row → pair
+    # (sentinel m for padding rows). They are inverse maps on the pairs that are computed.
+    row_of_pair = jnp.where(local < e, group_start[safe] + rank, rows).reshape(m)
+    pair_of_row = jnp.full((rows,), m, jnp.int32).at[row_of_pair].set(
+        jnp.arange(m, dtype=jnp.int32), mode="drop")
+
+    d = x.shape[1]
+    x_pairs = jnp.broadcast_to(x[:, None, :], (n, k, d)).reshape(m, d)
+    x_rows = _permute(x_pairs, pair_of_row, row_of_pair)  # [rows, d], zero on padding rows
+    if path == "ragged":
+        y_rows = _ragged_experts(x_rows, sizes, gate_proj, up_proj, down_proj)
+    else:
+        y_rows = _blocked_experts(x_rows, block_expert, block, gate_proj, up_proj, down_proj)
+    y_pairs = _permute(y_rows, row_of_pair, pair_of_row).reshape(n, k, d)  # sink pairs: 0
+    return jnp.einsum("nk,nkd->nd", weights, y_pairs)
+
+
+def _dense(x, local_indices, weights, gate_proj, up_proj, down_proj):
+    """Every (local) expert on every token, gates scattered to [N, E] (today's MoE.__call__)."""
+    n, e = x.shape[0], gate_proj.shape[0]
+    # Index E (other devices' experts) is dropped; duplicates add up, as in the other paths.
+    gates = jnp.zeros((n, e), x.dtype).at[jnp.arange(n)[:, None], local_indices].add(
+        weights, mode="drop")
+    g = jnp.einsum("nd,edf->nef", x, gate_proj)
+    u = jnp.einsum("nd,edf->nef", x, up_proj)
+    h = jax.nn.silu(g) * u * gates[..., None]
+    return jnp.einsum("nef,efd->nd", h, down_proj)
+
+
+def _ragged_experts(x_rows, sizes, gate_proj, up_proj, down_proj):
+    g = jax.lax.ragged_dot(x_rows, gate_proj, sizes)
+    u = jax.lax.ragged_dot(x_rows, up_proj, sizes)
+    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, down_proj, sizes)
+    # Rows past Σ sizes (sink pairs) belong to no group: their value is not specified by every
+    # backend, so zero them rather than rely on it (they are never read, but NaN·0 would leak).
+    valid = jnp.arange(x_rows.shape[0]) < jnp.sum(sizes)
+    return jnp.where(valid[:, None], y, 0)
+
+
+def _blocked_experts(x_rows, block_expert, block, gate_proj, up_proj, down_proj):
+    nb = block_expert.shape[0]
+    xb = x_rows.reshape(nb, block, x_rows.shape[1])
+    g = jnp.einsum("bnd,bdf->bnf", xb, jnp.take(gate_proj, block_expert, axis=0))
+    u = jnp.einsum("bnd,bdf->bnf", xb, jnp.take(up_proj, block_expert, axis=0))
+    h = jax.nn.silu(g) * u
+    y = jnp.einsum("bnf,bfd->bnd", h, jnp.take(down_proj, block_expert, axis=0))
+    return y.reshape(nb * block, -1)
+
+
+@jax.custom_vjp
+def _permute(src: jax.Array, fwd: jax.Array, bwd: jax.Array) -> jax.Array:
+    """out[i] = src[fwd[i]] (0 where fwd[i] is out of range), for a partial bijection.
+
+    Requires: fwd is injective on its in-range entries and bwd is its inverse (bwd[s] = the i with
+    fwd[i] = s, out of range if none). Then the transpose, g_src[s] = Σ_{fwd[i]=s} g_out[i], is the
+    gather g_out[bwd[s]] — no scatter-add.
+    """
+    return jnp.take(src, fwd, axis=0, mode="fill", fill_value=0)
+
+
+def _permute_fwd(src, fwd, bwd):
+    return _permute(src, fwd, bwd), (fwd, bwd)
+
+
+def _permute_bwd(res, g):
+    fwd, bwd = res
+    return jnp.take(g, bwd, axis=0, mode="fill", fill_value=0), None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# Expert parallelism
+
+
+def _expert_parallel(x, indices, weights, gate_proj, up_proj, down_proj, *, impl, platform,
+                     mesh, axis, ep, split_tokens, block_size):
+    n, k = indices.shape
+    e_local = gate_proj.shape[0] // ep
+    n_pad = -n % ep if split_tokens else 0
+    if n_pad:
+        # Padding tokens get gate 0 on expert 0: they contribute nothing and are sliced off.
+        x = jnp.pad(x, ((0, n_pad), (0, 0)))
+        indices = jnp.pad(indices, ((0, n_pad), (0, 0)))
+        weights = jnp.pad(weights, ((0, n_pad), (0, 0)))
+    path = _resolve(impl, platform, n + n_pad, k, e_local, block_size)
+
+    def body(xs, idx, w, gp, up, dp):
+        if split_tokens:
+            xs, idx, w = (jax.lax.all_gather(a, axis, tiled=True) for a in (xs, idx, w))
+        else:
+            # The sorted rows differ per device (each sorts for its own experts), so the
+            # replicated x enters them as a per-device value; this cast's transpose is the psum
+            # of x's cotangent over the axis, which the custom-VJP gathers cannot insert.
+            xs = jax.lax.pcast(xs, axis, to="varying")
+        offset = jax.lax.axis_index(axis) * e_local
+        y = _local_ffn(path, xs, idx, w, gp, up, dp, offset=offset, block_size=block_size)
+        if split_tokens:
+            return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, axis)
+
+    tok = P(axis) if split_tokens else P()
+    y = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(tok, tok, tok, P(axis), P(axis), P(axis)),
+        out_specs=tok,
+        axis_names=frozenset({axis}),
+    )(x, indices, weights, gate_proj, up_proj, down_proj)
+    return y[:n] if n_pad else y
