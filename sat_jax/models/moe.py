@@ -34,35 +34,38 @@ Paths (``impl``), with M = N·k (token, expert) pairs:
 * ``"auto"`` — ``ragged`` on TPU/GPU; on CPU ``blocked``, unless its padded rows R exceed twice
   the N·E rows of the dense path (a handful of tokens over many experts), then ``dense``.
 
-Why ``blocked`` on CPU, measured on this 2-core CPU shared with other jobs (``python
-benchmarks/moe.py --repeats 15 --blocks 32,128``, f32; best of 15 interleaved runs, medians are
-1.5–3× higher under the load; fwd+bwd = gradients w.r.t. x, w and the three expert tensors;
-GFLOP from XLA's ``cost_analysis``):
+Why ``blocked`` on CPU, measured on this 2-core CPU shared with other jobs (load average 5–12;
+``python benchmarks/moe.py --repeats 15 --blocks 32,128``, f32; best of 15 interleaved runs, as a
+range over two runs; medians are 1.5–3× higher; fwd+bwd = gradients w.r.t. x, w and the three
+expert tensors; GFLOP from XLA's ``cost_analysis``):
 
     ModelConfig.tiny()'s MoE, N 1152 (8 × 144), d 128, E 32 top-4, f 32:
-                           fwd ms    fwd+bwd ms   GFLOP fwd / fwd+bwd
-      dense                21.6      168          0.913 / 2.45
-      ragged              152        657          3.72  / 11.3   (XLA:CPU's dense expansion)
-      blocked, B 64         8.7       18–35       0.167 / 0.498
-      blocked, B 32 / 128   5.6 / 6.1 24 / 20     0.144 / 0.426, 0.216 / 0.645
-      torch grouped_mm     13.9      160          transformers' Qwen3MoeExperts, 2 threads
+                           fwd ms      fwd+bwd ms   GFLOP fwd / fwd+bwd
+      dense                12–18       127–192      0.913 / 2.45
+      ragged              113–180      438–599      3.72  / 11.3   (XLA:CPU's dense expansion)
+      blocked, B 64         4.8–7.1     12–30       0.168 / 0.499
+      blocked, B 32         3.5–4.9     13–15       0.144 / 0.427
+      blocked, B 128        4.1–4.8     15–17       0.217 / 0.646
+      torch grouped_mm      5.3–22      68–115      transformers' Qwen3MoeExperts, 2 threads
     the default run's MoE, N 1664 (128 × 13), d 64, E 16 top-4, f 32:
-      dense                11.7       55          0.332 / 0.898
-      ragged               34.2      264          1.35  / 4.13
-      blocked, B 128        3.5–4.1   8.3–14      0.109 / 0.326
-      torch grouped_mm      7.3       82
-    one decode step, N 8, d 128, E 32 top-4 (forward only): dense 0.85 ms, blocked (B 8) 0.51.
+      dense                 5.2–14      59–80       0.332 / 0.898
+      ragged               33–45       256–389      1.35  / 4.13
+      blocked, B 128        2.4–3.1      8.3–13     0.110 / 0.326
+      blocked, B 32         2.8–3.0      9.0–9.1    0.093 / 0.274
+      torch grouped_mm      3.7–12      54–69
+    one decode step (forward): N 8, d 128, E 32: dense 0.67–0.90 ms, blocked (B 8) 0.49–0.52,
+    torch 0.68–1.2; N 128, d 64, E 16: dense 0.74–0.93, blocked (B 16) 0.30–0.39, torch 0.86–1.4.
 
-The blocked path's backward costs 2–3× its forward in time (2× in FLOPs, as any matmul's); the
-dense path's 4–7× (issue 14). Block sizes 32–128 are within the noise of each other at training
+The blocked path's backward costs ≈ 2× its forward in FLOPs and 1.5–3× in time; the dense path's
+4–14× in time (issue 14). Block sizes 32–128 are within the noise of each other at training
 shapes and small blocks win at decode sizes, hence M/(2E). Measured and dropped: a ``lax.scan``
 over blocks with dynamically sliced weights (no weight gather), ≈ 1.3× slower; one fused [d, 2f]
 gate-and-up matmul, no faster; ``argsort`` for the sort, 4–5× slower than the counting sort
-(≈ 1 ms of the default run's 3.5 ms forward). The
-batched matmuls are ≈ 80 % of the blocked path's forward+backward, the sort and permutations the
-rest. In the whole log-prob pass (``token_logprobs`` fwd+bwd with the MoE layers switched to
-``blocked``), the default model's backward went from 10–17× its forward to 2.4–2.7×, and the tiny
-model's fwd+bwd got 2.6× faster (paired medians, same load).
+(≈ 1 ms of the default run's 3.5 ms forward). The batched matmuls are ≈ 80 % of the blocked
+path's forward+backward, the sort and permutations the rest. In the whole log-prob pass
+(``token_logprobs`` fwd+bwd with the MoE layers switched to ``blocked``), the default model's
+backward went from 6–10× its forward to 2.0–2.4×, and fwd+bwd got 2.2× (default) and 2.5× (tiny)
+faster than with the dense MoE (paired medians, same load).
 
 The permutations into and out of the sorted buffer are gathers whose transposes would be
 scatter-adds (on XLA:CPU 2.4× the time of the gather at these sizes); since each pair occupies
