@@ -13,10 +13,12 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from sat_jax.models.moe import IMPLS as MOE_PATHS
+
 #: Accepted ``ModelConfig.remat`` policies (see ``sat_jax.models.transformer``).
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
-#: Accepted ``ModelConfig.moe_impl`` values.
-MOE_IMPLS = ("auto", "dense")
+#: Accepted ``ModelConfig.moe_impl`` values (``sat_jax.models.moe``).
+MOE_IMPLS = MOE_PATHS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +53,10 @@ class ModelConfig:
         ``"none"``, ``"full"`` (save nothing, recompute the block), ``"dots_saveable"`` (keep
         matmul outputs) or ``"dots_with_no_batch_dims_saveable"``; ``True`` / ``False`` are
         accepted as ``"full"`` / ``"none"``.
-      moe_impl: MoE expert computation passed to the expert FFN as ``impl`` (``"auto"`` or
-        ``"dense"``, the reference that computes every expert for every token).
+      moe_impl: the routed experts' computation (``sat_jax.models.moe.expert_ffn``'s ``impl``):
+        ``"dense"`` (the reference: every expert for every token), ``"ragged"`` (dropless
+        dispatch with ``jax.lax.ragged_dot``, for TPU/GPU), ``"blocked"`` (dropless dispatch in
+        expert-pure blocks, the fast path on CPU) or ``"auto"`` (the fastest on the backend).
       init_std: standard deviation of the normal initialiser of embeddings and projections.
     """
 

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sat_jax.models.config import ModelConfig
+from sat_jax.models.moe import expert_ffn
+from sat_jax.models.sharding import BATCH_AXES
 
 # Score of a masked attention slot: finite so that no row can become NaN.
 _MASKED = float(jnp.finfo(jnp.float32).min)
@@ -213,51 +215,15 @@ def load_balancing_loss(router_logits: jax.Array, k: int, token_mask: jax.Array)
     return e * jnp.sum(f * p)
 
 
-def _dense_expert_ffn(
-    x: jax.Array,
-    indices: jax.Array,
-    weights: jax.Array,
-    gate_proj: jax.Array,
-    up_proj: jax.Array,
-    down_proj: jax.Array,
-    *,
-    impl: str = "dense",
-) -> jax.Array:
-    """Routed-expert SwiGLU, dense reference: y_n = Σ_j w_nj · Expert_{I_nj}(x_n).
-
-    Every expert is computed for every token and weighted by its gate (zero off the chosen set):
-    exact and simple, E/k times the FLOPs of a dispatching implementation.
-
-    Args:
-      x: [N, d] tokens in the compute dtype.
-      indices: [N, k] int32 chosen experts I (distinct per token, as top-k and its replay are).
-      weights: [N, k] gate values g of the chosen experts (any float dtype; cast to x's).
-      gate_proj, up_proj: [E, d, f] in the compute dtype.
-      down_proj: [E, f, d] in the compute dtype.
-      impl: "auto" or "dense" (both this path).
-    Returns:
-      y: [N, d] in x's dtype.
-    """
-    if impl not in ("auto", "dense"):
-        raise ValueError(f"impl must be 'auto' or 'dense', got {impl!r}")
-    dt = x.dtype
-    e = gate_proj.shape[0]
-    # [N, E] gate matrix: each chosen expert's weight at its index, zero elsewhere.
-    gates = jnp.sum(jax.nn.one_hot(indices, e, dtype=jnp.float32)
-                    * weights.astype(jnp.float32)[..., None], axis=-2)
-    g = jnp.einsum("nd,edf->nef", x, gate_proj)
-    u = jnp.einsum("nd,edf->nef", x, up_proj)
-    h = jax.nn.silu(g) * u * gates.astype(dt)[..., None]
-    return jnp.einsum("nef,efd->nd", h, down_proj)
-
-
 class MoE(nnx.Module):
     """Mixture-of-experts SwiGLU feed-forward with a top-k softmax router (Qwen3-MoE).
 
     y = Σ_e g_e · Expert_e(x) (+ σ(w_s·x) · Shared(x) when a shared expert is configured), with g
     from ``routing_gates``. The router picks I (or replays it) and the gates g_I; the expert
-    computation is ``expert_ffn(x, I, g_I, ...)`` with ``impl = config.moe_impl`` (today the dense
-    reference ``_dense_expert_ffn``), so every implementation sees identical routing and gates.
+    computation is ``sat_jax.models.moe.expert_ffn(x, I, g_I, ...)`` with ``impl = config.moe_impl``
+    (dense reference or a dropless dispatching path), so every implementation sees identical
+    routing and gates. Under a mesh with an ``expert`` axis of size > 1 (the trainer step traces
+    with ``jax.sharding.use_abstract_mesh``), experts are computed where they live.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -290,10 +256,14 @@ class MoE(nnx.Module):
         weights = jnp.take_along_axis(gates, indices, axis=-1)  # [B, T, k] float32
         b, t, d = x.shape
         n = b * t
-        y = _dense_expert_ffn(
+        # Under the trainer's traced mesh, each device dispatches its own rows (batch axes) and
+        # computes only its own experts (expert axis); plain calls (the sampler) run locally.
+        mesh = jax.sharding.get_abstract_mesh()
+        y = expert_ffn(
             x.reshape(n, d), indices.reshape(n, self.k), weights.reshape(n, self.k),
             self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt),
             self.down_proj[...].astype(dt), impl=self.impl,
+            mesh=None if mesh.empty else mesh, token_axes=BATCH_AXES,
         ).reshape(b, t, d)
         if self.shared_expert is not None:
             y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -125,6 +125,7 @@ def expert_ffn(
     mesh: jax.sharding.Mesh | None = None,
     expert_axis: str = "expert",
     split_tokens: bool = False,
+    token_axes: tuple[str, ...] = (),
     block_size: int | None = None,
 ) -> jax.Array:
     """y_n = Σ_j w_{n,j} · (silu(x_n·G_e) ⊙ (x_n·U_e)) · D_e with e = indices[n, j] (module doc).
@@ -142,6 +143,10 @@ def expert_ffn(
       expert_axis: name of the mesh axis the experts are split over.
       split_tokens: under expert parallelism, whether the tokens are split over ``expert_axis``
         (all-gather in, reduce-scatter out) or replicated over it (one all-reduce out).
+      token_axes: mesh axes the rows of x are split over (the batch axes, e.g. ``("data",
+        "fsdp")``). With ``mesh``, each device then sorts and computes only its own rows: a
+        dispatch traced over the global rows would make the compiler gather the routing of
+        every token (the sort is global), which no data-parallel step should do.
       block_size: rows per block of ``blocked`` (default from the shapes, see module doc).
     Returns:
       y [N, d] in x's dtype.
@@ -156,16 +161,19 @@ def expert_ffn(
             f"mesh axis {expert_axis!r} of size {ep} must divide the number of experts "
             f"(gate_proj.shape[0] = {num_experts})"
         )
-    platform = (mesh.devices.flat[0].platform if mesh is not None and hasattr(mesh, "devices")
+    # An AbstractMesh (traced under ``use_abstract_mesh``) has no devices: the default backend.
+    platform = (mesh.devices.flat[0].platform if isinstance(mesh, jax.sharding.Mesh)
                 else jax.default_backend())
     weights = weights.astype(x.dtype)
-    if ep == 1:
+    token_axes = tuple(a for a in token_axes if mesh is not None and mesh.shape.get(a, 1) > 1)
+    if ep == 1 and not token_axes:
         path = _resolve(impl, platform, x.shape[0], indices.shape[1], num_experts, block_size)
         return _local_ffn(path, x, indices, weights, gate_proj, up_proj, down_proj,
                           offset=0, block_size=block_size)
-    return _expert_parallel(x, indices, weights, gate_proj, up_proj, down_proj, impl=impl,
-                            platform=platform, mesh=mesh, axis=expert_axis, ep=ep,
-                            split_tokens=split_tokens, block_size=block_size)
+    return _sharded(x, indices, weights, gate_proj, up_proj, down_proj, impl=impl,
+                    platform=platform, mesh=mesh, axis=expert_axis, ep=ep,
+                    split_tokens=split_tokens and ep > 1, token_axes=token_axes,
+                    block_size=block_size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,19 +354,27 @@ _permute.defvjp(_permute_fwd, _permute_bwd)
 # Expert parallelism
 
 
-def _expert_parallel(x, indices, weights, gate_proj, up_proj, down_proj, *, impl, platform,
-                     mesh, axis, ep, split_tokens, block_size):
+def _sharded(x, indices, weights, gate_proj, up_proj, down_proj, *, impl, platform, mesh,
+             axis, ep, split_tokens, token_axes, block_size):
+    """``_local_ffn`` inside a shard_map that is manual over every mesh axis (a partially manual
+    one, with e.g. ``tensor`` left to the compiler, aborts XLA 0.10's SPMD partitioner): rows
+    split over ``token_axes`` (and over ``axis`` with ``split_tokens``), experts over ``axis``;
+    every other axis sees replicated operands (the boundary gathers what the weights' own
+    shardings split, e.g. FSDP or tensor-split widths)."""
     n, k = indices.shape
+    shards = math.prod(int(mesh.shape[a]) for a in token_axes)
     e_local = gate_proj.shape[0] // ep
-    n_pad = -n % ep if split_tokens else 0
+    n_pad = -n % (shards * (ep if split_tokens else 1))
     if n_pad:
         # Padding tokens get gate 0 on expert 0: they contribute nothing and are sliced off.
         x = jnp.pad(x, ((0, n_pad), (0, 0)))
         indices = jnp.pad(indices, ((0, n_pad), (0, 0)))
         weights = jnp.pad(weights, ((0, n_pad), (0, 0)))
-    path = _resolve(impl, platform, n + n_pad, k, e_local, block_size)
+    path = _resolve(impl, platform, (n + n_pad) // shards, k, e_local, block_size)
 
     def body(xs, idx, w, gp, up, dp):
+        if ep == 1:
+            return _local_ffn(path, xs, idx, w, gp, up, dp, offset=0, block_size=block_size)
         if split_tokens:
             xs, idx, w = (jax.lax.all_gather(a, axis, tiled=True) for a in (xs, idx, w))
         else:
@@ -372,12 +388,13 @@ def _expert_parallel(x, indices, weights, gate_proj, up_proj, down_proj, *, impl
             return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
         return jax.lax.psum(y, axis)
 
-    tok = P(axis) if split_tokens else P()
+    rows = token_axes + ((axis,) if split_tokens else ())
+    tok = P(rows or None)
+    experts = P(axis) if ep > 1 else P()
     y = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(tok, tok, tok, P(axis), P(axis), P(axis)),
+        in_specs=(tok, tok, tok, experts, experts, experts),
         out_specs=tok,
-        axis_names=frozenset({axis}),
     )(x, indices, weights, gate_proj, up_proj, down_proj)
     return y[:n] if n_pad else y
