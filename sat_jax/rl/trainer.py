@@ -3,7 +3,8 @@
 Inside ``jax.shard_map`` over the mesh's ``data`` axis (batch sharded, parameters replicated) the
 step recomputes log π_θ of the sampled tokens (with R3 routing replay and support replay when
 enabled), applies the configured objective from ``sat_jax.losses`` with ``axis_name="data"`` (so
-every batch statistic, SAT's quantile included, is global), optional corrections (TIS, IcePop) and
+every batch statistic, SAT's quantile included, is global), optional corrections (TIS, IcePop,
+KPop; ``sat_jax.losses.registry.correction_weights``) and
 the low-variance KL to a reference policy. Replicated parameters make the gradient of the global
 loss exact per device; the optax update runs on the replicated result.
 
@@ -26,19 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from sat_jax import losses
 from sat_jax.models.logprobs import token_logprobs
-
-AXIS = "data"
-
-#: Rollout batch fields the step consumes, with their sharding (batch axis over ``data``).
-BATCH_SPECS = {
-    "tokens": P(AXIS),
-    "input_mask": P(AXIS),
-    "response_mask": P(AXIS),
-    "behavior_logp": P(AXIS),
-    "cutoffs": P(AXIS),
-    "advantages": P(AXIS),
-    "routing": P(None, AXIS),
-}
+from sat_jax.rl.batch import BATCH_AXES, RolloutBatch, axis_name
 
 
 class TrainState(NamedTuple):
@@ -54,7 +43,7 @@ class LossSpec:
     objective: str = "sat_gspo"
     objective_kwargs: tuple[tuple[str, Any], ...] = ()
     aggregation: str = "token-mean"
-    correction: str = "none"  # none | tis | icepop
+    correction: str = "none"  # none | one of losses.names("correction")
     correction_kwargs: tuple[tuple[str, Any], ...] = ()
     ratio_denominator: str = "rollout"  # rollout | recompute
     kl_coef: float = 0.0
@@ -66,7 +55,8 @@ class LossSpec:
     @property
     def needs_old(self) -> bool:
         """Whether the trainer must recompute log μ̃ under the behaviour version's parameters."""
-        return self.correction != "none" or self.ratio_denominator == "recompute"
+        return (self.ratio_denominator == "recompute" or self.correction != "none"
+                and losses.registry.correction_reference(self.correction) == "old")
 
     @property
     def needs_ref(self) -> bool:
@@ -109,19 +99,20 @@ def _logprobs(graphdef, params, batch, spec: LossSpec, prompt_width: int):
     return token_logprobs(
         graphdef,
         params,
-        batch["tokens"],
-        input_mask=batch["input_mask"],
+        batch.tokens,
+        input_mask=batch.input_mask,
         response_start=prompt_width,
-        routing=batch["routing"] if spec.r3 else None,
-        cutoffs=batch["cutoffs"] if spec.support_replay else None,
+        routing=batch.routing if spec.r3 else None,
+        cutoffs=batch.cutoffs if spec.support_replay else None,
         temperature=spec.temperature,
     )
 
 
-def policy_loss(params, batch, extra, *, graphdef, spec: LossSpec, prompt_width: int, axis_name):
+def policy_loss(params, batch: RolloutBatch, extra, *, graphdef, spec: LossSpec, prompt_width: int,
+                axis_name):
     """Loss and metrics on one (local) shard of a batch; global over ``axis_name``."""
-    mask = batch["response_mask"]
-    behavior = batch["behavior_logp"]
+    mask = batch.response_mask
+    behavior = batch.behavior_logp
     old_logp = ref_logp = None
     if spec.needs_old:
         old_logp = jax.lax.stop_gradient(
@@ -135,13 +126,14 @@ def policy_loss(params, batch, extra, *, graphdef, spec: LossSpec, prompt_width:
     denominator = behavior if spec.ratio_denominator == "rollout" else old_logp
     weights = None
     if spec.correction != "none":
-        weights = losses.get(spec.correction)(
-            old_logp, behavior, mask, **dict(spec.correction_kwargs)
+        weights = losses.registry.correction_weights(
+            spec.correction, logp=logp, old_logp=old_logp, behavior_logp=behavior, mask=mask,
+            **dict(spec.correction_kwargs),
         )
     out = losses.get(spec.objective)(
         logp,
         denominator,
-        batch["advantages"],
+        batch.advantages,
         mask,
         aggregation=spec.aggregation,
         token_weights=weights,
@@ -173,8 +165,9 @@ def policy_loss(params, batch, extra, *, graphdef, spec: LossSpec, prompt_width:
 def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, mesh):
     """Builds the jitted update ``step(state, batch, extra) -> (state, metrics)``.
 
-    ``batch`` holds the fields of :data:`BATCH_SPECS` as arrays sharded over ``mesh``'s ``data``
-    axis; ``extra`` is a dict with ``"old"`` (behaviour-version parameters, when the spec needs a
+    ``batch`` is a :class:`~sat_jax.rl.batch.RolloutBatch` sharded over ``mesh``'s batch axes
+    (:data:`~sat_jax.rl.batch.BATCH_AXES`); ``extra`` is a dict with ``"old"`` (behaviour-version
+    parameters, when the spec needs a
     recompute) and ``"ref"`` (reference parameters, when ``kl_coef > 0``), replicated.
     """
 
@@ -182,7 +175,7 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
         def loss_fn(p):
             return policy_loss(
                 p, batch, extra, graphdef=graphdef, spec=spec, prompt_width=prompt_width,
-                axis_name=AXIS,
+                axis_name=axis_name(BATCH_AXES),
             )
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -191,12 +184,11 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
     sharded = jax.shard_map(
         grads_and_metrics,
         mesh=mesh,
-        in_specs=(P(), BATCH_SPECS, P()),
+        in_specs=(P(), RolloutBatch.specs(BATCH_AXES), P()),
         out_specs=(P(), P()),
     )
 
-    def step(state: TrainState, batch, extra):
-        batch = {k: batch[k] for k in BATCH_SPECS}
+    def step(state: TrainState, batch: RolloutBatch, extra):
         grads, metrics = sharded(state.params, batch, extra)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
