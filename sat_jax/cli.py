@@ -34,12 +34,21 @@ COMMANDS = {
 }
 _HELP_WORDS = ("-h", "--help", "-help", "--helpfull", "help")
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
-    default=default_config_module.__file__,
-    help_string="ml_collections config file (default: the built-in SAT-GSPO w/ R3 run).",
-    lock_config=True,
-)
+
+def _define_config():
+    """The --config flag. ml_collections applies the overrides in sys.argv to the default
+    config while defining it, so an unknown key fails here, at import: it is kept and reported
+    by ``run`` as one error line, and the flag is defined without the bad overrides."""
+    kwargs = dict(default=default_config_module.__file__, lock_config=True,
+                  help_string="ml_collections config file (default: the built-in SAT-GSPO w/ "
+                  "R3 run).")
+    try:
+        return config_flags.DEFINE_config_file("config", **kwargs), None
+    except (AttributeError, KeyError) as e:
+        return config_flags.DEFINE_config_file("config", sys_argv=sys.argv[:1], **kwargs), e
+
+
+_CONFIG, _DEFINE_ERROR = _define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (overrides config.workdir).")
 _MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Stop after this many steps this session.")
 _MULTIHOST = flags.DEFINE_enum("multihost", "auto", ["auto", "on", "off"],
@@ -119,10 +128,9 @@ def main(argv):
     # orbax and absl log every checkpoint operation at INFO; a user wants the progress line.
     logging.set_verbosity(logging.WARNING)
     args = argv[1:]
-    asked = _help_request(args)
-    if asked is not None:
-        print(usage(asked[0]))
-        return asked[1]
+    status = print_help(args)
+    if status is not None:
+        return status
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         return _fail(f"unknown command {command!r}; expected one of {tuple(COMMANDS)} "
@@ -193,13 +201,39 @@ def main(argv):
     return 130 if summary["interrupted"] else 0
 
 
+def print_help(args: list[str]) -> int | None:
+    """Prints the help and returns the exit status when ``args`` ask for it (or name no
+    command); ``None`` otherwise."""
+    asked = _help_request(args)
+    if asked is None:
+        return None
+    print(usage(asked[0]))
+    return asked[1]
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with a bad flag or config key as one error line and exit 2."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        sys.exit(_fail(f"{e} (sat-jax --help)"))
+    except (AttributeError, KeyError) as e:  # ml_collections: a key the config does not have
+        sys.exit(_fail(_unknown_key(e)))
+
+
+def _unknown_key(error) -> str:
+    key = str(error).strip("\"'")
+    return f"unknown config key {key!r} (sat-jax config lists the keys)"
+
+
 def run():
     """Console-script entry point: help before absl's flag parsing, then the command."""
-    asked = _help_request(sys.argv[1:])
-    if asked is not None:
-        print(usage(asked[0]))
-        sys.exit(asked[1])
-    app.run(main)
+    status = print_help(sys.argv[1:])
+    if status is not None:
+        sys.exit(status)
+    if _DEFINE_ERROR is not None:
+        sys.exit(_fail(_unknown_key(_DEFINE_ERROR)))
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -55,12 +56,13 @@ def _config_key(loss_config, name: str, hparam: str) -> str | None:
     return None
 
 
-def loss_kwargs(loss_config, name: str) -> dict[str, Any]:
-    """The keywords of objective or correction ``name`` that ``loss_config`` sets."""
+def loss_kwargs(loss_config, name: str, *, required: bool = True) -> dict[str, Any]:
+    """The keywords of objective or correction ``name`` that ``loss_config`` sets (without the
+    ones the loss requires, i.e. has no default for, when ``required=False``)."""
     out = {}
-    for hparam in registry.hyperparameters(name):
+    for hparam, default in registry.hyperparameters(name).items():
         key = _config_key(loss_config, name, hparam)
-        if key is None:
+        if key is None or (not required and default is inspect.Parameter.empty):
             continue
         value = loss_config[key]
         if key in ZERO_MEANS_DEFAULT and value == 0:
@@ -107,17 +109,19 @@ def _check_loss(config) -> None:
               f"{c.correction!r}")
     if c.aggregation not in losses.AGGREGATIONS:
         _fail(f"loss.aggregation must be one of {losses.AGGREGATIONS}, got {c.aggregation!r}")
-    # The configured loss, then every other config field some objective takes, checked by the
-    # first objective that takes it (a bad loss.dual_clip fails even while SAT-GSPO ignores it).
+    # The configured objective and correction, then every other config field some loss takes,
+    # checked by the first loss that takes it (a bad loss.dual_clip fails even while SAT-GSPO
+    # ignores it). A hyper-parameter a loss requires (KPop's phi) is checked when it is chosen.
     checks = [(c.objective, loss_kwargs(c, c.objective))]
     if c.correction != _CORRECTION_OFF:
         checks.append((c.correction, loss_kwargs(c, c.correction)))
-    covered = set(checks[0][1])
-    for name in objectives:
-        extra = {k: v for k, v in loss_kwargs(c, name).items() if k not in covered}
+    covered = {_config_key(c, name, h) for name, kw in checks for h in kw}  # config keys
+    for name in objectives + corrections:
+        extra = {h: v for h, v in loss_kwargs(c, name, required=False).items()
+                 if _config_key(c, name, h) not in covered}
         if extra:
             checks.append((name, extra))
-            covered |= set(extra)
+            covered |= {_config_key(c, name, h) for h in extra}
     for name, kwargs in checks:
         try:
             registry.check(name, kwargs, aggregation=c.aggregation)
