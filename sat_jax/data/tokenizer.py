@@ -32,19 +32,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = [
-    "BOS_ID",
-    "EOS_ID",
-    "IM_END",
-    "IM_START",
-    "PAD_ID",
-    "CharTokenizer",
-    "HFTokenizer",
-    "Tokenizer",
-    "load_tokenizer",
-    "qwen_chat_prompt",
-]
-
 PAD_ID = 0
 BOS_ID = 1
 EOS_ID = 2

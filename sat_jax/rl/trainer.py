@@ -167,8 +167,8 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
 
     ``batch`` is a :class:`~sat_jax.rl.batch.RolloutBatch` sharded over ``mesh``'s batch axes
     (:data:`~sat_jax.rl.batch.BATCH_AXES`); ``extra`` is a dict with ``"old"`` (behaviour-version
-    parameters, when the spec needs a
-    recompute) and ``"ref"`` (reference parameters, when ``kl_coef > 0``), replicated.
+    parameters, when the spec needs a recompute) and ``"ref"`` (reference parameters, when
+    ``kl_coef > 0``), replicated.
     """
 
     def grads_and_metrics(params, batch, extra):
