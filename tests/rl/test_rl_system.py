@@ -201,7 +201,9 @@ def test_sigkill_between_checkpoints_then_resume_logs_each_step_once(tmp_path, c
 def test_corrupt_latest_checkpoint_falls_back(tmp_path, cache_dir):
     c = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
     c.num_steps, c.checkpoint.every = 4, 2
-    learner.train(c, quiet=True)
+    c.snapshot_placement = "host"  # pinned host snapshots go through the checkpoint too
+    hist = learner.train(c, quiet=True)["history"]
+    assert all(h["snapshots/device_bytes"] == 0 < h["snapshots/host_bytes"] for h in hist)
     ckpt_dir = tmp_path / "run" / "checkpoints" / "4"
     victims = [p for p in ckpt_dir.rglob("*") if p.is_file() and p.stat().st_size > 0]
     for p in victims:
