@@ -72,7 +72,7 @@ def main():
     batched_step = jax.jit(jax.vmap(step, in_axes=(0, 0, None)))
     # One scored batch, reused by every run: the trainer's work does not depend on its values.
     out = engine.generate(parts.params, examples, jax.random.key(0), 0)
-    batch = parallel.shard_batch(engine.score(examples, out), trainer.BATCH_SPECS, mesh)
+    batch = engine.score(examples, out).shard(mesh)
 
     results = {}
     for runs in [int(r) for r in args.runs.split(",")]:
@@ -83,7 +83,7 @@ def main():
                   for p in params]
         stacked_params, stacked_keys, stacked_states = _stack(params), jnp.stack(keys), _stack(
             states)
-        stacked_batch = {k: jnp.stack([v] * runs) for k, v in batch.items()}
+        stacked_batch = jax.tree.map(lambda v, runs=runs: jnp.stack([v] * runs), batch)
 
         def sequential(params=params, keys=keys, states=states):
             rollouts = [single_generate(p, k) for p, k in zip(params, keys, strict=True)]

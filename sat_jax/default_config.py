@@ -1,9 +1,14 @@
-"""The built-in default run (SAT-GSPO w/ R3, broadcast lag 8, tiny MoE, 2-digit addition) and the
-validation every config passes before any compute.
+"""The built-in default run (SAT-GSPO w/ R3, broadcast lag 8, tiny MoE, 2-digit addition).
 
-``configs/*.py`` start from :func:`get_config` and change a few fields; ``sat-jax train`` with no
-``--config`` runs this file. Every field is overridable from the command line
-(``--config.lag=1``); unknown keys are rejected by ml_collections before anything runs.
+A plain file of defaults: ``configs/*.py`` start from :func:`get_config` and change a few fields;
+``sat-jax train`` with no ``--config`` runs this file, and ``sat-jax config`` prints it. Every
+field is overridable from the command line (``--config.lag=1``); unknown keys are rejected by
+ml_collections, impossible values by ``sat_jax.rl.config.validate``, before anything runs.
+
+Loss hyper-parameters: keyword ``h`` of the chosen objective or correction ``name`` is read from
+``loss.<name>_<h>`` if that field exists (``loss.spo_eps``, ``loss.tis_cap``), else from
+``loss.<h>`` (``loss.eps_low`` serves every objective that takes ``eps_low``); see
+``sat_jax.rl.config``. A loss keyword without a field keeps the loss's default.
 """
 
 from __future__ import annotations
@@ -12,9 +17,6 @@ import os
 
 import ml_collections
 
-from sat_jax import losses
-from sat_jax.rl.lag import MODES
-
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
@@ -22,7 +24,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.workdir = ""  # default: runs/<name>-lag<lag>-seed<seed>
     c.num_steps = 400
-    c.resume = True  # continue from the latest valid checkpoint in workdir
+    # Continue from the latest valid checkpoint in workdir (refused if that run's config differs);
+    # False moves an earlier run in workdir aside and starts over.
+    c.resume = True
 
     # Data: a built-in task, a JSONL file or a TFDS array_record dataset.
     c.data = ml_collections.ConfigDict()
@@ -72,7 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Asynchrony (Section 4.4).
     c.lag_mode = "broadcast"  # fixed | broadcast | stream
     c.lag = 8
-    c.snapshot_placement = "device"  # device | host
+    c.snapshot_placement = "device"  # device | host (pinned host memory, sharding kept)
 
     # Objective (sat_jax.losses) and its hyper-parameters.
     c.loss = ml_collections.ConfigDict()
@@ -89,10 +93,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.loss.seqclip_high = 1.005
     c.loss.aggregation = "token-mean"
     c.loss.advantage = "grpo"  # grpo | dr_grpo | rloo
-    c.loss.correction = "none"  # none | tis | icepop
+    c.loss.correction = "none"  # none | tis | icepop | kpop
     c.loss.tis_cap = 2.0
     c.loss.icepop_low = 0.5
     c.loss.icepop_high = 5.0
+    c.loss.kpop_phi = 0.0  # KPop's threshold φ > 0: required with correction=kpop (no default)
     c.loss.kl_coef = 0.0  # low-variance KL to the initial policy (paper: 1e-3)
     c.loss.ratio_denominator = "rollout"  # rollout (Eq. 51) | recompute
     c.loss.r3 = True  # replay rollout routing in the trainer (Eq. 40)
@@ -119,8 +124,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 50
-    c.eval.num_prompts = 128
-    c.eval.k = 4
+    c.eval.num_prompts = 128  # pass@G / avg@G use the rollout group size G
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 100
@@ -164,79 +168,10 @@ def run_paths(config) -> tuple[str, str]:
 
 
 def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
-    """Rejects impossible settings with one clear error, before any compute."""
+    """``sat_jax.rl.config.validate`` (imported on call: this file stays plain defaults)."""
+    from sat_jax.rl.config import validate as validate_config
 
-    def fail(msg):
-        raise ValueError(f"invalid config: {msg}")
-
-    if config.num_steps < 1:
-        fail(f"num_steps must be >= 1, got {config.num_steps}")
-    if config.lag_mode not in MODES:
-        fail(f"lag_mode must be one of {MODES}, got {config.lag_mode!r}")
-    if config.lag < (1 if config.lag_mode == "broadcast" else 0):
-        fail(f"lag={config.lag} is impossible for lag_mode={config.lag_mode!r}")
-    if config.loss.objective not in losses.names():
-        fail(f"loss.objective {config.loss.objective!r} is not one of {losses.names()}")
-    if config.loss.correction not in ("none", "tis", "icepop"):
-        fail(f"loss.correction must be none|tis|icepop, got {config.loss.correction!r}")
-    if config.loss.ratio_denominator not in ("rollout", "recompute"):
-        fail(f"loss.ratio_denominator must be rollout|recompute, got "
-             f"{config.loss.ratio_denominator!r}")
-    if config.loss.aggregation not in losses.AGGREGATIONS:
-        fail(f"loss.aggregation must be one of {losses.AGGREGATIONS}")
-    if config.loss.advantage not in ("grpo", "dr_grpo", "rloo"):
-        fail(f"loss.advantage must be grpo|dr_grpo|rloo, got {config.loss.advantage!r}")
-    g, p = config.rollout.group_size, config.rollout.prompts_per_step
-    if g < 2 and config.loss.advantage != "dr_grpo":
-        fail(f"rollout.group_size must be >= 2 for {config.loss.advantage} advantages, got {g}")
-    if p < 1:
-        fail(f"rollout.prompts_per_step must be >= 1, got {p}")
-    if p % num_processes:
-        fail(f"rollout.prompts_per_step={p} (global) must divide over {num_processes} processes")
-    batch = g * p
-    available = num_devices - (1 if config.mesh.rollout_device >= 0 else 0)
-    if config.mesh.rollout_device >= 0 and num_processes > 1:
-        fail("mesh.rollout_device is a single-host option; multi-host runs sample on each "
-             "process's own replica (mesh.rollout_device=-1)")
-    if config.mesh.rollout_device >= num_devices:
-        fail(f"mesh.rollout_device={config.mesh.rollout_device} is not one of the "
-             f"{num_devices} devices")
-    n_dev = available if config.mesh.data == -1 else config.mesh.data
-    if not 1 <= n_dev <= available:
-        fail(f"mesh.data={config.mesh.data} needs {n_dev} trainer devices, {available} available")
-    mb = config.optim.num_minibatches
-    if mb < 1 or batch % mb:
-        fail(f"the rollout batch ({p} prompts x {g} samples = {batch}) must split into "
-             f"optim.num_minibatches={mb} equal minibatches")
-    if (batch // mb) % n_dev:
-        fail(f"each minibatch ({batch // mb} sequences) must divide evenly over {n_dev} "
-             "data-parallel devices")
-    if config.optim.updates_per_batch < 1:
-        fail("optim.updates_per_batch must be >= 1")
-    if config.rollout.dtype not in ("float32", "bfloat16"):
-        fail(f"rollout.dtype must be float32|bfloat16, got {config.rollout.dtype!r}")
-    if not 0 < config.rollout.top_p <= 1 or config.rollout.temperature <= 0:
-        fail("rollout.top_p must be in (0, 1] and rollout.temperature > 0")
-    if config.data.source not in ("task", "jsonl", "tfds"):
-        fail(f"data.source must be task|jsonl|tfds, got {config.data.source!r}")
-    if config.data.source == "jsonl":
-        for what, path in (("data.path", config.data.path), ("data.eval_path",
-                                                             config.data.eval_path)):
-            if (path or what == "data.path") and not os.path.isfile(os.path.expanduser(path)):
-                fail(f"{what} {path!r} does not exist (data.source=jsonl)")
-    for what, path in (("model.hf_path", config.model.hf_path),
-                       ("data.tokenizer", "" if config.data.tokenizer == "char"
-                        else config.data.tokenizer)):
-        if path and not os.path.exists(os.path.expanduser(path)):
-            fail(f"{what} {path!r} does not exist")
-    if config.model.hf_path and config.data.tokenizer == "char":
-        fail("model.hf_path needs the checkpoint's tokenizer: set data.tokenizer to its directory")
-    if config.data.source == "tfds" and not config.data.tfds_name:
-        fail("data.tfds_name is required for data.source=tfds")
-    if config.eval.every < 0 or config.checkpoint.every < 0:
-        fail("eval.every and checkpoint.every must be >= 0 (0 disables)")
-    if config.eval.k < 1:
-        fail("eval.k must be >= 1")
+    validate_config(config, num_devices=num_devices, num_processes=num_processes)
 
 
 def method_config(name: str, objective: str, *, r3: bool, correction: str = "none", **loss):

@@ -1,5 +1,5 @@
-"""Data layer: tokenizer, built-in tasks, prompt sources, a resumable iterator, math answer
-verification and evaluation metrics.
+"""Data layer: tokenizers (built-in characters, Hugging Face, the Qwen chat format), built-in
+tasks, prompt sources, a resumable iterator, math answer verification and evaluation metrics.
 
 tensorflow-datasets is imported only when a `TfdsSource` is built.
 """
@@ -23,17 +23,31 @@ from sat_jax.data.tasks import (
     Task,
     make_task,
 )
-from sat_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
+from sat_jax.data.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    IM_END,
+    IM_START,
+    PAD_ID,
+    CharTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    qwen_chat_prompt,
+)
 
 __all__ = [
     "BOS_ID",
     "EOS_ID",
+    "IM_END",
+    "IM_START",
     "PAD_ID",
     "TASKS",
     "AdditionTask",
     "ArithmeticTask",
     "CharTokenizer",
     "Example",
+    "HFTokenizer",
     "JsonlSource",
     "ListSource",
     "MultiplicationTask",
@@ -41,10 +55,12 @@ __all__ = [
     "PromptSource",
     "TaskSource",
     "Task",
+    "Tokenizer",
     "TfdsSource",
     "avg_at_k",
     "evaluate",
     "extract_answer",
+    "load_tokenizer",
     "make_task",
     "math_reward",
     "math_reward_fn",
@@ -53,4 +69,5 @@ __all__ = [
     "parse_number",
     "pass1",
     "pass_at_k",
+    "qwen_chat_prompt",
 ]

@@ -55,8 +55,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sat_jax.models.config import ModelConfig
+from sat_jax.parallel import DATA, EXPERT, FSDP, TENSOR
 
-DATA, FSDP, EXPERT, TENSOR = "data", "fsdp", "expert", "tensor"
 #: Mesh axes the batch dimension is split over.
 BATCH_AXES = (DATA, FSDP)
 

@@ -1,6 +1,9 @@
-"""The asynchronous RL system: snapshots, lag modes, rollouts, trainer step and host loop."""
+"""The asynchronous RL system: the rollout batch, snapshots, lag modes, rollout sources, the
+trainer step and the host loop (``sat_jax.rl.learner``)."""
 
+from sat_jax.rl.batch import BATCH_AXES, RolloutBatch
 from sat_jax.rl.lag import MODES, LagSchedule, lag_stats
-from sat_jax.rl.snapshots import SnapshotStore
+from sat_jax.rl.snapshots import PLACEMENTS, SnapshotStore
 
-__all__ = ["MODES", "LagSchedule", "SnapshotStore", "lag_stats"]
+__all__ = ["BATCH_AXES", "MODES", "PLACEMENTS", "LagSchedule", "RolloutBatch", "SnapshotStore",
+           "lag_stats"]

@@ -56,10 +56,22 @@ class LagSchedule:
         raise ValueError("version_for is undefined in stream mode: versions are recorded per token")
 
     def needed_after(self, step: int) -> set[int]:
-        """Versions that batches after ``step`` will be sampled from (what a store must keep)."""
+        """Versions that batches after ``step`` will be sampled from (what a store must keep once
+        step ``step`` has produced version ``step + 1``; versions not yet produced included)."""
         if self.mode == "stream":
             return set()
         return {self.version_for(i) for i in range(step + 1, step + self.lag + 2)}
+
+    @property
+    def capacity(self) -> int:
+        """The most versions :meth:`needed_after` ever asks to hold together with the newest:
+        k + 1 for ``fixed`` (the k stale versions and the newest), 2 for ``broadcast`` (the last
+        broadcast copy and the newest, which becomes the next broadcast)."""
+        if self.mode == "fixed":
+            return self.lag + 1
+        if self.mode == "broadcast":
+            return 2
+        raise ValueError("stream mode sizes its store by its queue (sat_jax.rl.stream)")
 
 
 def lag_stats(versions: np.ndarray, response_mask: np.ndarray, step: int) -> dict[str, float]:

@@ -1,9 +1,9 @@
 """Rollouts: prompts → G samples each from a parameter snapshot → rewards → group advantages.
 
-The result is a host-side (NumPy) batch whose fields line up with the trainer's
-``BATCH_SPECS``: ``tokens`` [B, P + N], ``input_mask``, per-response-token ``response_mask``,
-``behavior_logp``, ``cutoffs`` and ``versions`` [B, N], ``routing`` [L, B, P + N − 1, k], plus
-``advantages`` [B] and ``rewards`` [B] (B = prompts × G, the G samples of a prompt contiguous).
+The result is a host-side (NumPy) :class:`sat_jax.rl.batch.RolloutBatch`: the sampler's
+``tokens`` [B, P + N], ``input_mask``, per-response-token ``response_mask``, ``behavior_logp``,
+``cutoffs`` and ``versions`` [B, N], ``routing`` [L, B, P + N − 1, k], plus ``advantages`` [B] and
+``rewards`` [B] (B = prompts × G, the G samples of a prompt contiguous).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 
 from sat_jax import advantages as advantage_lib
 from sat_jax.data import evaluate as evaluate_generations
+from sat_jax.rl.batch import RolloutBatch
 from sat_jax.sampling import DecodeState, SampleOutput, Sampler, SamplingParams
 
 Example = dict[str, Any]
@@ -65,7 +66,7 @@ class RolloutEngine:
         vocab = self.tokenizer.vocab_size
         return [self.tokenizer.decode(row[row < vocab]) for row in response]
 
-    def score(self, examples: Sequence[Example], out: SampleOutput) -> dict[str, np.ndarray]:
+    def score(self, examples: Sequence[Example], out: SampleOutput) -> RolloutBatch:
         """Rewards, group advantages and the trainer's fields, all as NumPy arrays."""
         texts = self.completions(out)
         g = self.group_size
@@ -73,17 +74,14 @@ class RolloutEngine:
             [self.reward_fn(texts[i], examples[i // g]) for i in range(len(texts))], np.float32
         )
         adv = np.asarray(advantage_lib.get(self.advantage)(rewards.reshape(-1, g))).reshape(-1)
-        batch = {k: np.asarray(v) for k, v in out._asdict().items()}
-        batch["advantages"] = adv.astype(np.float32)
-        batch["rewards"] = rewards
-        return batch
+        return RolloutBatch.from_sample(out, adv, rewards)
 
 
-def batch_stats(batch: dict[str, np.ndarray], group_size: int) -> dict[str, float]:
+def batch_stats(batch: RolloutBatch, group_size: int) -> dict[str, float]:
     """Reward and length statistics of a scored batch, for logging."""
-    rewards = batch["rewards"]
+    rewards = np.asarray(batch.rewards)
     groups = rewards.reshape(-1, group_size)
-    mask = batch["response_mask"]
+    mask = np.asarray(batch.response_mask)
     return {
         "train/reward_mean": float(rewards.mean()),
         "train/reward_std": float(rewards.std()),

@@ -1,11 +1,12 @@
-"""The trainer step: one jitted, data-parallel update from a rollout batch.
+"""The trainer step: one jitted update from a rollout batch on a (data, fsdp, expert, tensor) mesh.
 
-Inside ``jax.shard_map`` over the mesh's ``data`` axis (batch sharded, parameters replicated) the
-step recomputes log π_θ of the sampled tokens (with R3 routing replay and support replay when
-enabled), applies the configured objective from ``sat_jax.losses`` with ``axis_name="data"`` (so
-every batch statistic, SAT's quantile included, is global), optional corrections (TIS, IcePop) and
-the low-variance KL to a reference policy. Replicated parameters make the gradient of the global
-loss exact per device; the optax update runs on the replicated result.
+The step recomputes log π_θ of the sampled tokens (with R3 routing replay and support replay when
+enabled) under GSPMD with the parameters in the sharding table of ``sat_jax.models.sharding``,
+then applies the configured objective from ``sat_jax.losses`` inside a ``jax.shard_map`` over the
+batch axes (``data × fsdp``) with that axis name, so every batch statistic, SAT's quantile
+included, is global through scalar collectives; optional corrections (TIS, IcePop, KPop;
+``sat_jax.losses.registry.correction_weights``) and the low-variance KL to a reference policy
+compose with it. A 1-D ``data`` mesh is plain data parallelism (parameters replicated).
 
 The step is a pure function ``(TrainState, batch, extra_params) -> (TrainState, metrics)``, so it
 can also be vmapped over a leading "run" axis of stacked states for many small studies at once
@@ -27,21 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 from sat_jax import losses
 from sat_jax.models.logprobs import token_logprobs
-from sat_jax.models.sharding import BATCH_AXES, check_mesh
+from sat_jax.models.sharding import check_mesh
 from sat_jax.models.transformer import param_shardings
-
-AXIS = "data"
-
-#: Rollout batch fields the step consumes, with their sharding (batch axis over ``data``).
-BATCH_SPECS = {
-    "tokens": P(AXIS),
-    "input_mask": P(AXIS),
-    "response_mask": P(AXIS),
-    "behavior_logp": P(AXIS),
-    "cutoffs": P(AXIS),
-    "advantages": P(AXIS),
-    "routing": P(None, AXIS),
-}
+from sat_jax.rl.batch import RolloutBatch, batch_axes
 
 
 class TrainState(NamedTuple):
@@ -57,7 +46,7 @@ class LossSpec:
     objective: str = "sat_gspo"
     objective_kwargs: tuple[tuple[str, Any], ...] = ()
     aggregation: str = "token-mean"
-    correction: str = "none"  # none | tis | icepop
+    correction: str = "none"  # none | one of losses.names("correction")
     correction_kwargs: tuple[tuple[str, Any], ...] = ()
     ratio_denominator: str = "rollout"  # rollout | recompute
     kl_coef: float = 0.0
@@ -69,7 +58,8 @@ class LossSpec:
     @property
     def needs_old(self) -> bool:
         """Whether the trainer must recompute log μ̃ under the behaviour version's parameters."""
-        return self.correction != "none" or self.ratio_denominator == "recompute"
+        return (self.ratio_denominator == "recompute" or self.correction != "none"
+                and losses.registry.correction_reference(self.correction) == "old")
 
     @property
     def needs_ref(self) -> bool:
@@ -112,16 +102,17 @@ def _logprobs(graphdef, params, batch, spec: LossSpec, prompt_width: int):
     return token_logprobs(
         graphdef,
         params,
-        batch["tokens"],
-        input_mask=batch["input_mask"],
+        batch.tokens,
+        input_mask=batch.input_mask,
         response_start=prompt_width,
-        routing=batch["routing"] if spec.r3 else None,
-        cutoffs=batch["cutoffs"] if spec.support_replay else None,
+        routing=batch.routing if spec.r3 else None,
+        cutoffs=batch.cutoffs if spec.support_replay else None,
         temperature=spec.temperature,
     )
 
 
-def policy_loss(params, batch, extra, *, graphdef, spec: LossSpec, prompt_width: int, axis_name):
+def policy_loss(params, batch: RolloutBatch, extra, *, graphdef, spec: LossSpec, prompt_width: int,
+                axis_name):
     """Loss and metrics on one (local) shard of a batch; global over ``axis_name``."""
     old_logp = ref_logp = None
     if spec.needs_old:
@@ -133,7 +124,8 @@ def policy_loss(params, batch, extra, *, graphdef, spec: LossSpec, prompt_width:
             _logprobs(graphdef, extra["ref"], batch, spec, prompt_width)[0]
         )
     logp, entropy, aux = _logprobs(graphdef, params, batch, spec, prompt_width)
-    loss, metrics = _objective(logp, entropy, old_logp, ref_logp, batch, spec, axis_name)
+    loss, metrics = _objective(logp, entropy, old_logp, ref_logp, _loss_fields(batch), spec,
+                               axis_name)
     if spec.router_aux:
         aux_loss = aux["aux_loss"] if axis_name is None else jax.lax.pmean(aux["aux_loss"],
                                                                              axis_name)
@@ -141,6 +133,12 @@ def policy_loss(params, batch, extra, *, graphdef, spec: LossSpec, prompt_width:
         metrics["loss/router_aux"] = aux_loss
     metrics["loss/total"] = loss
     return loss, metrics
+
+
+def _loss_fields(batch: RolloutBatch) -> dict[str, jax.Array]:
+    """The per-sequence / per-token fields the objective reads (all with the batch on axis 0)."""
+    return {"response_mask": batch.response_mask, "behavior_logp": batch.behavior_logp,
+            "advantages": batch.advantages}
 
 
 def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_name):
@@ -151,8 +149,9 @@ def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_na
     denominator = behavior if spec.ratio_denominator == "rollout" else old_logp
     weights = None
     if spec.correction != "none":
-        weights = losses.get(spec.correction)(
-            old_logp, behavior, mask, **dict(spec.correction_kwargs)
+        weights = losses.registry.correction_weights(
+            spec.correction, logp=logp, old_logp=old_logp, behavior_logp=behavior, mask=mask,
+            **dict(spec.correction_kwargs),
         )
     out = losses.get(spec.objective)(
         logp,
@@ -178,11 +177,6 @@ def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_na
         metrics["mismatch/engine"] = engine["mismatch"]
     metrics["train/entropy"] = losses.aggregate(entropy, mask, "token-mean", axis_name)
     return loss, metrics
-
-
-def _batch_axes(mesh) -> tuple[str, ...]:
-    """The mesh's batch axes (``data``, ``fsdp``; those it has)."""
-    return tuple(a for a in BATCH_AXES if a in mesh.shape)
 
 
 def _opt_shardings(optimizer, opt_state, param_shardings):
@@ -223,7 +217,8 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
     A 1-D data mesh (fsdp = expert = tensor = 1) is plain data parallelism: parameters
     replicated (every spec is ``P()``), the batch split over ``data``.
 
-    ``batch`` holds the fields of :data:`BATCH_SPECS` (batch axis first; ``routing`` second);
+    ``batch`` is a :class:`~sat_jax.rl.batch.RolloutBatch` (batch axis first; ``routing``
+    second);
     ``extra`` is a dict with ``"old"`` (behaviour-version parameters, when the spec needs a
     recompute) and ``"ref"`` (reference parameters, when ``kl_coef > 0``).
 
@@ -239,7 +234,7 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
       ValueError: the mesh does not divide the model or the batch, naming the axis and the
         dimension.
     """
-    axes = _batch_axes(mesh)
+    axes = batch_axes(mesh)
     axis_name = axes if axes else None
 
     def objective(local, batch):
@@ -247,15 +242,13 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
                           batch, spec, axis_name)
 
     def train(params, opt_state, count, batch, extra):
-        batch = {k: batch[k] for k in BATCH_SPECS}
         model_cfg = nnx.merge(graphdef, params).config
-        check_mesh(model_cfg, mesh, batch=batch["tokens"].shape[0])
+        check_mesh(model_cfg, mesh, batch=batch.size)
         shardings = param_shardings(model_cfg, mesh)
-        row = NamedSharding(mesh, P(axes))
-        batch = {k: jax.lax.with_sharding_constraint(
-            v, NamedSharding(mesh, P(None, axes)) if k == "routing" else row)
-            for k, v in batch.items()}
-        loss_fields = {k: batch[k] for k in ("response_mask", "behavior_logp", "advantages")}
+        batch = jax.tree.map(
+            lambda v, s: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, s)),
+            batch, RolloutBatch.specs(axes))
+        loss_fields = _loss_fields(batch)
         smap = jax.shard_map(objective, mesh=mesh, in_specs=P(axes), out_specs=(P(), P()))
 
         def loss_fn(p):

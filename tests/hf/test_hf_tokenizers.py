@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from sat_jax.data import CharTokenizer
-from sat_jax.tokenizers import Tokenizer, load_tokenizer, qwen_chat_prompt
+from sat_jax.data.tokenizer import Tokenizer, load_tokenizer, qwen_chat_prompt
 
 tokenizers = pytest.importorskip(
     "tokenizers", reason="HFTokenizer tests need the tokenizers package (sat_jax[hf])"
 )
-from sat_jax.tokenizers import HFTokenizer  # noqa: E402
+from sat_jax.data.tokenizer import HFTokenizer  # noqa: E402
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

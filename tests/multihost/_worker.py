@@ -41,19 +41,16 @@ def main():
     batch = parts.engine.score(examples, out)
     # A barely trained policy solves nothing (all advantages 0, zero gradient); fixed advantages
     # make the three steps move the parameters.
-    batch["advantages"] = np.random.default_rng(0).normal(size=batch["advantages"].shape).astype(
-        np.float32
-    )
-    rows = batch["tokens"].shape[0] // jax.process_count()
+    batch = batch.replace(advantages=np.random.default_rng(0).normal(
+        size=batch.advantages.shape).astype(np.float32))
+    rows = batch.size // jax.process_count()
     lo = jax.process_index() * rows
-    mine = {k: (v[:, lo:lo + rows] if k == "routing" else v[lo:lo + rows])
-            for k, v in batch.items() if k in trainer.BATCH_SPECS}
+    mine = batch.select(slice(lo, lo + rows))
     step = trainer.make_train_step(parts.graphdef, parts.optimizer, parts.spec,
                                    prompt_width=c.data.max_prompt_len, mesh=parts.mesh)
     state = trainer.init_train_state(parts.params, parts.optimizer)
     for _ in range(3):
-        state, metrics = step(state, parallel.shard_batch(mine, trainer.BATCH_SPECS, parts.mesh),
-                              {})
+        state, metrics = step(state, mine.shard(parts.mesh), {})
     params = parallel.to_host(state.params)
     leaves = jax.tree_util.tree_leaves(params)
     if jax.process_index() == 0:

@@ -1,10 +1,10 @@
-"""The RL system end to end at toy size: configs, lag exactness, resume, sharding, CLI errors."""
+"""The RL system end to end at toy size: configs, lag exactness, resume after SIGKILL, refusing
+another run's workdir, eval equal to the in-training evaluation, sharding, CLI errors."""
 
 import glob
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,8 +17,8 @@ import optax
 import pytest
 
 from sat_jax import default_config, parallel
-from sat_jax.logging import read_metrics
-from sat_jax.rl import SnapshotStore, lag_stats, learner, trainer
+from sat_jax.metrics import read_metrics
+from sat_jax.rl import lag_stats, learner, trainer
 from sat_jax.rl.stream import StreamRollouts
 from sat_jax.sampling import SamplingParams
 
@@ -76,11 +76,13 @@ def test_each_config_runs_two_steps(path, tmp_path, cache_dir):
     assert [r["step"] for r in records if "train/reward_mean" in r] == [1, 2]
 
 
-@pytest.mark.parametrize("mode,lag", [("fixed", 2), ("broadcast", 3)])
-def test_lag_bookkeeping_is_exact(mode, lag, tmp_path, cache_dir, monkeypatch):
+@pytest.mark.parametrize("mode,lag,correction", [("fixed", 2, "tis"), ("broadcast", 3, "kpop")])
+def test_lag_bookkeeping_is_exact(mode, lag, correction, tmp_path, cache_dir, monkeypatch):
     config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
     config.lag_mode, config.lag, config.num_steps = mode, lag, 5
-    config.loss.correction = "tis"  # needs the behaviour version's snapshot at every step
+    # TIS needs the behaviour version's snapshot at every step; KPop compares with the current
+    # policy (its phi from loss.kpop_phi).
+    config.loss.correction, config.loss.kpop_phi = correction, 0.05
     steps = []
     make = learner.trainer.make_train_step
     monkeypatch.setattr(learner.trainer, "make_train_step",
@@ -94,6 +96,11 @@ def test_lag_bookkeeping_is_exact(mode, lag, tmp_path, cache_dir, monkeypatch):
         # Every token of batch j was produced by exactly the scheduled version.
         assert h["lag/min"] == h["lag/max"] == h["lag/mean"] == expected, (j, h)
         assert h["lag/pqs_mean"] == 0 and h["lag/iqs_mean"] == expected
+        # The store holds what the schedule needs, never more than its capacity.
+        assert 1 <= h["snapshots/versions"] <= schedule.capacity
+        assert h["snapshots/device_bytes"] == h["snapshots/versions"] * h[
+            "snapshots/bytes_per_version"]
+    assert ("mismatch/engine" in hist[0]) == (correction == "tis")  # KPop needs no recompute
 
 
 def test_separate_rollout_device(tmp_path, cache_dir):
@@ -119,33 +126,84 @@ def test_stream_mode_records_per_token_versions(tmp_path, cache_dir):
     assert max(h["lag/max"] for h in hist) >= 1
 
 
-def test_resume_gives_the_same_metrics(tmp_path, cache_dir):
+def _cli_overrides(workdir, cache_dir):
+    return [f"--workdir={workdir}", "--config.model.num_layers=1",
+            "--config.model.hidden_size=32", "--config.model.num_experts=4",
+            "--config.model.num_experts_per_tok=2", "--config.rollout.prompts_per_step=4",
+            "--config.rollout.group_size=4", f"--config.sft.cache_dir={cache_dir}",
+            "--config.sft.steps=3", "--config.sft.batch_size=16", "--config.data.max_new_tokens=4",
+            "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
+            "--config.model.head_dim=16", "--config.model.moe_intermediate_size=16",
+            "--config.eval.num_prompts=8", "--config.log.progress=False",
+            "--config.log.plots=False", "--config.log.tensorboard=False", "--config.mesh.data=1"]
+
+
+def _train_rows(workdir):
+    return [r for r in read_metrics(workdir) if "train/reward_mean" in r]
+
+
+def _same_rows(a, b):
+    timing = ("time", "time/", "throughput/")
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        keys = {k for k in ra if not k.startswith(timing)}
+        assert keys == {k for k in rb if not k.startswith(timing)}
+        for k in keys:
+            assert ra[k] == rb[k] or (ra[k] != ra[k] and rb[k] != rb[k]), (ra["step"], k)
+
+
+def test_sigkill_between_checkpoints_then_resume_logs_each_step_once(tmp_path, cache_dir):
     def config_for(name):
         c = tiny(default_config.get_config(), tmp_path / name, cache_dir)
-        c.num_steps, c.checkpoint.every, c.lag = 5, 2, 2
-        c.lag_mode = "fixed"
+        c.num_steps, c.checkpoint.every, c.lag, c.lag_mode = 7, 2, 2, "fixed"
+        c.eval.every = 3
         return c
 
-    full = learner.train(config_for("full"), quiet=True)["history"]
-    # "Killed" after step 3, before its checkpoint was written (the last one is step 2): the
-    # session's closing checkpoint at 3 is removed to reproduce that.
-    learner.train(config_for("split"), max_steps=3, quiet=True)
-    shutil.rmtree(tmp_path / "split" / "checkpoints" / "3")
-    resumed = learner.train(config_for("split"), quiet=True)
-    assert resumed["start_step"] == 2
-    keys = ["train/reward_mean", "loss/total", "loss/mismatch", "loss/sat/q", "lag/mean",
-            "optim/grad_norm"]
-    for a, b in zip(full[2:], resumed["history"], strict=True):
-        for k in keys:
-            assert a[k] == b[k], k
-    records = read_metrics(tmp_path / "split")
-    assert [r["step"] for r in records if "train/reward_mean" in r] == [1, 2, 3, 4, 5]
+    full = learner.train(config_for("full"), quiet=True)
+    # The same run as a CLI process, SIGKILLed (no handler, no closing checkpoint) after step 5
+    # is logged: its newest checkpoint is step 4, so step 5 is logged again after the resume.
+    workdir = tmp_path / "killed"
+    args = [*_cli_overrides(workdir, cache_dir), "--config.num_steps=7",
+            "--config.checkpoint.every=2", "--config.lag=2", "--config.lag_mode=fixed",
+            "--config.eval.every=3"]
+    proc = subprocess.Popen([sys.executable, "-m", "sat_jax.cli", "train", *args],
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (workdir / "metrics.jsonl").exists() and len(_train_rows(workdir)) >= 5:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert len(_train_rows(workdir)) in (5, 6)  # killed between the checkpoints at 4 and 6
+    resumed = learner.train(config_for("killed"), quiet=True)
+    assert resumed["start_step"] == 4
+    _same_rows(_train_rows(tmp_path / "full"), _train_rows(workdir))
+    steps = [r["step"] for r in read_metrics(workdir) if "eval/pass@1" in r]
+    assert steps == [0, 3, 6, 7]  # each evaluation once
+    assert full["final_eval"] == resumed["final_eval"]
+
+    # The run is finished: training again says so and does nothing.
+    again = learner.train(config_for("killed"), quiet=True)
+    assert again["finished"] and again["history"] == [] and again["end_step"] == 7
+    # Another config in the same workdir is refused, naming the field; resume=False starts over.
+    changed = config_for("killed")
+    changed.loss.eps_high, changed.num_steps = 0.3, 8
+    with pytest.raises(learner.ResumeError, match=r"loss.eps_high: 0.2 -> 0.3"):
+        learner.train(changed, quiet=True)
+    changed.resume, changed.num_steps = False, 1
+    assert learner.train(changed, quiet=True)["end_step"] == 1
+    assert [r["step"] for r in _train_rows(workdir)] == [1]
+    assert any(p.name.startswith("replaced-") for p in workdir.iterdir())
 
 
 def test_corrupt_latest_checkpoint_falls_back(tmp_path, cache_dir):
     c = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
     c.num_steps, c.checkpoint.every = 4, 2
-    learner.train(c, quiet=True)
+    c.snapshot_placement = "host"  # pinned host snapshots go through the checkpoint too
+    hist = learner.train(c, quiet=True)["history"]
+    assert all(h["snapshots/device_bytes"] == 0 < h["snapshots/host_bytes"] for h in hist)
     ckpt_dir = tmp_path / "run" / "checkpoints" / "4"
     victims = [p for p in ckpt_dir.rglob("*") if p.is_file() and p.stat().st_size > 0]
     for p in victims:
@@ -172,7 +230,7 @@ def test_sharded_step_equals_single_device(tmp_path, cache_dir):
                                        prompt_width=config.data.max_prompt_len, mesh=mesh)
         params = parallel.replicate(parts.params, mesh)
         state = trainer.init_train_state(params, optimizer)
-        state, metrics = step(state, parallel.shard_batch(batch, trainer.BATCH_SPECS, mesh), {})
+        state, metrics = step(state, batch.shard(mesh), {})
         results.append((jax.device_get(state.params), jax.device_get(metrics)))
     (p1, m1), (p8, m8) = results
     # The model's forward on 2 rows per device rounds differently from one 16-row forward (matmul
@@ -218,9 +276,8 @@ def test_rollout_and_train_step_vmap_over_a_run_axis(tmp_path, cache_dir):
                                    prompt_width=config.data.max_prompt_len, mesh=mesh)
     states = [parallel.replicate(trainer.init_train_state(p, parts.optimizer), mesh)
               for p in params]
-    single = [step(s, parallel.shard_batch(b, trainer.BATCH_SPECS, mesh), {})
-              for s, b in zip(states, batches, strict=True)]
-    stacked = {k: jnp.stack([jnp.asarray(b[k]) for b in batches]) for k in trainer.BATCH_SPECS}
+    single = [step(s, b.shard(mesh), {}) for s, b in zip(states, batches, strict=True)]
+    stacked = stack(batches)
     v_state, v_metrics = jax.jit(jax.vmap(step, in_axes=(0, 0, None)))(stack(states), stacked, {})
     sensitive = {"loss/sat/q", "loss/sat/c_min", "loss/sat/eps_low_mean", "loss/sat/eps_high_mean"}
     for r, (state, metrics) in enumerate(single):
@@ -234,12 +291,10 @@ def test_rollout_and_train_step_vmap_over_a_run_axis(tmp_path, cache_dir):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--config.nonexistent_key=1"], "nonexistent_key"),
-        (["--config.lag_mode=broadcast", "--config.lag=0"], "lag=0 is impossible"),
-        (["--config.rollout.group_size=3", "--config.rollout.prompts_per_step=3",
-          "--config.optim.num_minibatches=2"],
-         "must split into"),
-        (["--config.data.source=jsonl", "--config.data.path=/nonexistent.jsonl"],
+        (["train", "--config.nonexistent_key=1"], "nonexistent_key"),
+        (["train", "--config.lag_mode=broadcast", "--config.lag=0"],
+         "lag for mode 'broadcast' must be >= 1"),
+        (["train", "--config.data.source=jsonl", "--config.data.path=/nonexistent.jsonl"],
          "does not exist"),
         (["frobnicate"], "unknown command"),
     ],
@@ -252,6 +307,7 @@ def test_cli_rejects_bad_input_before_compute(args, message, tmp_path):
     )
     assert res.returncode != 0
     assert message in res.stderr + res.stdout
+    assert "Traceback" not in res.stderr + res.stdout
     assert not os.path.exists(tmp_path / "run")  # nothing was started
 
 
@@ -283,23 +339,23 @@ def test_stream_worker_swaps_weights_mid_decode(tmp_path, cache_dir):
     config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
     config.data.max_new_tokens = 6
     parts = learner.build(config)
-    store = SnapshotStore(capacity=64)
-    store.put(0, parts.params)
     prompts = iter(lambda: [parts.train_src[i] for i in range(4)], None)
-    stream = StreamRollouts(parts.engine, store, prompts, jax.random.key(0), queue_size=1,
-                            chunk=1).start()
+    stream = StreamRollouts(parts.engine, prompts, seed=0, queue_size=1, chunk=1)
+    stream.publish(0, parts.params)
+    stream.start()
     try:
         version, batch = 0, None
         while batch is None and version < 5000:
             version += 1
-            store.put(version, parts.params)  # same values, new version numbers
+            stream.publish(version, parts.params)  # same values, new version numbers
             time.sleep(0.002)
             if not stream.queue.empty():
-                batch = stream.get()
+                batch = stream.next(version).batch
         assert batch is not None, "the worker produced no batch"
     finally:
-        stream.stop()
-    versions, mask = batch["versions"], batch["response_mask"]
+        stream.close()
+    assert stream.store.versions() == [version]  # nothing recomputes: only the newest is kept
+    versions, mask = batch.versions, batch.response_mask
     assert stream.swaps >= 1
     for row, m in zip(versions, mask, strict=True):
         live = row[m]
@@ -355,4 +411,9 @@ def test_jsonl_source_runs_through_the_learner(tmp_path, cache_dir):
     assert summary["end_step"] == 2
     assert 0.0 <= summary["final_eval"]["pass@1"] <= 1.0  # scored by the numeric verifier
     records = read_metrics(config.workdir)
-    assert any("eval/pass@1" in r for r in records)
+    in_training = [r for r in records if "eval/pass@1" in r and r["step"] == 2]
+    # `sat-jax eval` of the step-2 checkpoint samples exactly as the evaluation during training.
+    evaluated = learner.evaluate_run(config)
+    assert evaluated["step"] == 2
+    assert {k: evaluated[k.removeprefix("eval/")] for k in in_training[0] if k.startswith(
+        "eval/")} == {k: v for k, v in in_training[0].items() if k.startswith("eval/")}

@@ -34,6 +34,7 @@ from sat_jax.models import (
     token_logprobs,
 )
 from sat_jax.rl import trainer
+from sat_jax.rl.batch import RolloutBatch
 
 CFG = ModelConfig(
     vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -82,7 +83,8 @@ def _run(mesh_kwargs, graphdef, batch):
     _, params = init_model(CFG, seed=0, mesh=mesh)
     state = trainer.init_train_state(params, OPT, mesh, config=CFG)
     step = trainer.make_train_step(graphdef, OPT, SPEC, prompt_width=P_W, mesh=mesh, donate=True)
-    placed = parallel.shard_batch(batch, trainer.BATCH_SPECS, mesh)
+    placed = RolloutBatch(**batch, versions=np.zeros_like(batch["behavior_logp"], np.int32),
+                          rewards=np.zeros_like(batch["advantages"])).shard(mesh)
     before = {"opt": _device_bytes(state.opt_state),
               "shardings": [x.sharding for x in jax.tree.leaves(state)]}
     new_state, metrics = step(state, placed, {})
@@ -186,22 +188,9 @@ def P_(*a):
 
 
 def _abstract_batch(config, mesh, rows, t, prompt=P_W):
-    axes = ("data", "fsdp")
-
-    def arr(shape, dtype, spec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-
-    n = t - prompt
-    return {
-        "tokens": arr((rows, t), jnp.int32, P_(axes)),
-        "input_mask": arr((rows, t), jnp.bool_, P_(axes)),
-        "response_mask": arr((rows, n), jnp.bool_, P_(axes)),
-        "behavior_logp": arr((rows, n), jnp.float32, P_(axes)),
-        "cutoffs": arr((rows, n), jnp.float32, P_(axes)),
-        "advantages": arr((rows,), jnp.float32, P_(axes)),
-        "routing": arr((config.num_moe_layers, rows, t - 1, config.num_experts_per_tok),
-                       jnp.int32, P_(None, axes)),
-    }
+    return RolloutBatch.abstract(mesh, rows=rows, prompt_width=prompt, response_width=t - prompt,
+                                 num_moe_layers=config.num_moe_layers,
+                                 experts_per_tok=config.num_experts_per_tok)
 
 
 def _all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:

@@ -1,4 +1,5 @@
-"""Tests for sat_jax.logging: JSONL round trip, resume, TensorBoard, plots, progress, primary."""
+"""Run outputs: metrics JSONL round trip, resume, TensorBoard (sat_jax.metrics), plots
+(sat_jax.plots), progress (sat_jax.progress), primary-only writing."""
 
 import io
 import json
@@ -11,13 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sat_jax.logging import (
-    Progress,
-    RunLogger,
-    plot_compare,
-    plot_run,
-    read_metrics,
-)
+from sat_jax.metrics import RunLogger, read_metrics
+from sat_jax.plots import plot_compare, plot_run, smooth
+from sat_jax.progress import Progress
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -28,9 +25,14 @@ def _assert_png(path) -> None:
     assert len(data) > 2000, (path, len(data))
 
 
-def test_stdlib_logging_is_not_shadowed():
+def test_no_module_shadows_the_standard_library():
+    import pkgutil
+
+    import sat_jax
+
+    ours = {m.name.rsplit(".", 1)[-1] for m in pkgutil.walk_packages(sat_jax.__path__, "sat_jax.")}
+    assert not ours & set(sys.stdlib_module_names)
     assert logging.getLogger is sys.modules["logging"].getLogger
-    assert sys.modules["logging"].__file__.endswith("logging/__init__.py")
 
 
 def test_jsonl_round_trip_nan_inf_and_jax_scalars(tmp_path):
@@ -106,7 +108,7 @@ def test_tensorboard_event_file(tmp_path):
 
 
 def test_missing_tensorboardx_warns_and_continues(tmp_path, monkeypatch, caplog):
-    import sat_jax.logging as run_logging
+    import sat_jax.metrics as run_logging
 
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # makes the import fail
     monkeypatch.setattr(run_logging, "_warned_no_tensorboardx", False)
@@ -184,6 +186,47 @@ def test_plot_compare_groups_seeds(tmp_path, caplog):
         plot_compare(dirs, "train/reward_mean", tmp_path / "d.png", labels=["a"])
     with pytest.raises(ValueError, match="none of the"):
         plot_compare(dirs, "missing/key", tmp_path / "e.png")
+
+
+def test_smooth_is_a_trailing_mean():
+    values = np.array([0.0, 1.0, 2.0, 3.0, 10.0])
+    # Hand-computed: means of [0], [0, 1], [0, 1, 2], [1, 2, 3], [2, 3, 10].
+    np.testing.assert_allclose(smooth(values, 3), [0.0, 0.5, 1.0, 2.0, 5.0])
+    np.testing.assert_array_equal(smooth(values, 1), values)
+    with pytest.raises(ValueError, match="window"):
+        smooth(values, 0)
+
+
+def test_reward_panel_draws_raw_and_smoothed_lines(tmp_path, monkeypatch):
+    import sat_jax.plots as plots
+
+    _synthetic_run(tmp_path / "run", seed=0)
+    labels = []
+    monkeypatch.setattr(plots, "_new_figure", _recording_figure(plots._new_figure, labels))
+    plots.plot_run(tmp_path / "run", panels={"reward": plots.PANELS["reward"]})
+    assert labels[0] == ["train/reward_mean (raw)", "train/reward_mean (mean of 5 steps)"]
+
+
+def _recording_figure(make, labels):
+    def new_figure(figsize):
+        fig = make(figsize)
+        add = fig.add_subplot
+
+        def add_subplot(*args, **kwargs):
+            ax = add(*args, **kwargs)
+            legend = ax.legend
+
+            def record(*a, **k):
+                labels.append([line.get_label() for line in ax.get_lines()])
+                return legend(*a, **k)
+
+            ax.legend = record
+            return ax
+
+        fig.add_subplot = add_subplot
+        return fig
+
+    return new_figure
 
 
 @pytest.mark.parametrize("backend", ["auto", "plain", "rich", "tqdm"])

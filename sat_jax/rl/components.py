@@ -1,0 +1,146 @@
+"""Building a run's components from its config: data, tokenizer, model (with its cached warm-up),
+rollout engine, loss, optimizer and mesh. Shared by training and ``sat-jax eval``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sat_jax import parallel
+from sat_jax.data import (
+    CharTokenizer,
+    HFTokenizer,
+    JsonlSource,
+    TaskSource,
+    TfdsSource,
+    make_task,
+    qwen_chat_prompt,
+)
+from sat_jax.models import ModelConfig, init_model, load_hf
+from sat_jax.rl import sft, trainer
+from sat_jax.rl.config import loss_spec
+from sat_jax.rl.rollout import RolloutEngine
+from sat_jax.sampling import Sampler, SamplingParams
+
+
+def build_sources(config):
+    """(train source, held-out eval examples, task or None) from ``config.data``."""
+    d = config.data
+    if d.source == "task":
+        task = make_task(d.task, num_digits=d.num_digits, eval_size=d.eval_size, seed=0)
+        return TaskSource(task, "train"), TaskSource(task, "eval"), task
+    if d.source == "jsonl":
+        def jsonl(path):
+            return JsonlSource(os.path.expanduser(path), prompt_field=d.prompt_field,
+                               answer_field=d.answer_field)
+
+        src = jsonl(d.path)
+        return src, jsonl(d.eval_path) if d.eval_path else src, None
+    kwargs = dict(data_dir=d.tfds_data_dir or None, prompt_field=d.prompt_field,
+                  answer_field=d.answer_field)
+    return (TfdsSource(d.tfds_name, split=d.split, **kwargs),
+            TfdsSource(d.tfds_name, split=d.eval_split, **kwargs), None)
+
+
+@dataclasses.dataclass
+class Components:
+    """Everything a run is built from (shared by training and ``sat-jax eval``)."""
+
+    mesh: Any
+    tokenizer: Any
+    model_cfg: ModelConfig
+    graphdef: Any
+    params: Any  # post-warm-up, replicated on the mesh
+    engine: RolloutEngine
+    train_src: Any
+    eval_examples: list
+    spec: trainer.LossSpec
+    optimizer: Any
+    sft_info: dict
+    rollout_device: Any = None
+
+    def rollout_view(self, params):
+        """The parameters the rollout engine samples from: this process's replica, or a copy on
+        the reserved rollout device."""
+        if self.rollout_device is not None:
+            return jax.device_put(params, self.rollout_device)
+        return parallel.local_view(params)
+
+
+def build(config, log=lambda msg: None) -> Components:
+    """Builds data, model (with its cached warm-up), rollout engine, loss and optimizer."""
+    devices = jax.devices()
+    rollout_device = None
+    if config.mesh.rollout_device >= 0:
+        rollout_device = jax.local_devices()[config.mesh.rollout_device]
+        devices = [d for d in devices if d != rollout_device]
+    mesh = parallel.make_mesh(config.mesh.data, devices)
+    train_src, eval_src, task = build_sources(config)
+    model_fields = config.model.to_dict()
+    hf_path = os.path.expanduser(model_fields.pop("hf_path"))
+    if config.data.tokenizer == "char":
+        tokenizer = CharTokenizer()
+    else:
+        tokenizer = HFTokenizer(os.path.expanduser(config.data.tokenizer),
+                                eos_token=config.data.eos_token or None)
+    if hf_path:
+        model_cfg, graphdef, params = load_hf(
+            hf_path, router_aux_loss_coef=model_fields["router_aux_loss_coef"],
+            remat=model_fields["remat"],
+        )
+        if tokenizer.vocab_size > model_cfg.vocab_size:
+            raise ValueError(f"the tokenizer's {tokenizer.vocab_size} ids exceed the model's "
+                             f"vocab_size {model_cfg.vocab_size}")
+        log(f"loaded {hf_path}")
+    else:
+        model_cfg = ModelConfig(vocab_size=tokenizer.vocab_size, **model_fields)
+        graphdef, params = init_model(model_cfg, seed=config.seed)
+    prompt_width, response_width = config.data.max_prompt_len, config.data.max_new_tokens
+    sft_info: dict[str, float] = {}
+    # The warm-up makes a weak base policy for the built-in tasks; a loaded checkpoint is one.
+    if task is not None and config.sft.steps > 0 and not hf_path:
+        t0 = time.perf_counter()
+        params, sft_info = sft.warmup(
+            graphdef, params, tokenizer, task,
+            steps=config.sft.steps, batch_size=config.sft.batch_size,
+            learning_rate=config.sft.learning_rate, seed=config.seed,
+            prompt_width=prompt_width, response_width=response_width,
+            cache_dir=config.sft.cache_dir,
+            cache_spec={"model": config.model.to_dict(), "data": config.data.to_dict(),
+                        "vocab": tokenizer.vocab_size},
+            log=log,
+        )
+        sft_info["sft/seconds"] = time.perf_counter() - t0
+        log(f"warm-up: {'cached' if sft_info.get('sft/cached') else 'trained'} "
+            f"({sft_info['sft/seconds']:.1f}s)")
+    sampler = Sampler(model_cfg, max_prompt_len=prompt_width, max_new_tokens=response_width,
+                      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                      dtype=jnp.dtype(config.rollout.dtype))
+    engine = RolloutEngine(
+        sampler=sampler, tokenizer=tokenizer, reward_fn=train_src.reward,
+        group_size=config.rollout.group_size,
+        sampling=SamplingParams(config.rollout.temperature, config.rollout.top_p,
+                                config.rollout.top_k),
+        advantage=config.loss.advantage,
+        prompt_format=(lambda text: qwen_chat_prompt([{"role": "user", "content": text}]))
+        if config.data.chat_template else None,
+    )
+    total = config.num_steps * config.optim.updates_per_batch * config.optim.num_minibatches
+    optimizer = trainer.make_optimizer(
+        config.optim.learning_rate, b1=config.optim.b1, b2=config.optim.b2,
+        grad_clip=config.optim.grad_clip, weight_decay=config.optim.weight_decay,
+        warmup_steps=config.optim.warmup_steps, schedule=config.optim.schedule,
+        total_steps=total,
+    )
+    eval_examples = [eval_src[i] for i in range(min(config.eval.num_prompts, len(eval_src)))]
+    return Components(
+        mesh=mesh, tokenizer=tokenizer, model_cfg=model_cfg, graphdef=graphdef,
+        params=parallel.replicate(params, mesh), engine=engine, train_src=train_src,
+        eval_examples=eval_examples, spec=loss_spec(config), optimizer=optimizer,
+        sft_info=sft_info, rollout_device=rollout_device,
+    )

@@ -1,0 +1,289 @@
+"""From a run config (``sat_jax.default_config``) to checked, plain arguments.
+
+* :func:`validate` rejects an impossible config before any compute, asking each owner: lag modes
+  and their bounds from ``sat_jax.rl.lag``, objectives, corrections and their hyper-parameters from
+  the loss registry (each loss's own checks run under ``jax.eval_shape``, nothing compiles),
+  advantage estimators from ``sat_jax.advantages``, model fields from ``ModelConfig``, snapshot
+  placements from the store.
+* :func:`loss_kwargs` maps ``config.loss`` onto a loss's keywords, which the registry reads from
+  its signature: keyword ``h`` of loss ``name`` comes from ``loss.<name>_<h>`` if the config has
+  that field (``loss.spo_eps``, ``loss.tis_cap``), else from ``loss.<h>`` (shared by every loss
+  taking it: ``loss.eps_low``), else the loss's default. For :data:`ZERO_MEANS_DEFAULT` fields a 0
+  means "the loss's default" (``dual_clip`` off, ``delta`` the objective's own).
+* :func:`loss_spec` builds the trainer's ``LossSpec``: configuration stops there.
+* :func:`changed_fields` compares a stored run's config with a new one for resuming.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import re
+from typing import Any
+
+import jax
+
+from sat_jax import advantages, losses
+from sat_jax.losses import registry
+from sat_jax.rl import lag as lag_lib
+from sat_jax.rl import trainer
+from sat_jax.rl.snapshots import PLACEMENTS
+
+#: config.loss fields where 0 stands for the loss's own default.
+ZERO_MEANS_DEFAULT = ("dual_clip", "delta")
+
+#: Fields a resumed run may change: they decide how long and how visibly a run goes, not what
+#: it learns.
+RESUMABLE = ("num_steps", "resume", "workdir", "log", "checkpoint", "eval.every", "mesh",
+             "sft.cache_dir")
+
+_CORRECTION_OFF = "none"
+
+
+class ConfigError(ValueError):
+    """An impossible config; the message starts with ``invalid config:``."""
+
+    def __init__(self, msg: str):
+        super().__init__(f"invalid config: {msg}")
+
+
+def _config_key(loss_config, name: str, hparam: str) -> str | None:
+    for key in (f"{name}_{hparam}", hparam):
+        if key in loss_config:
+            return key
+    return None
+
+
+def loss_kwargs(loss_config, name: str, *, required: bool = True) -> dict[str, Any]:
+    """The keywords of objective or correction ``name`` that ``loss_config`` sets (without the
+    ones the loss requires, i.e. has no default for, when ``required=False``)."""
+    out = {}
+    for hparam, default in registry.hyperparameters(name).items():
+        key = _config_key(loss_config, name, hparam)
+        if key is None or (not required and default is inspect.Parameter.empty):
+            continue
+        value = loss_config[key]
+        if key in ZERO_MEANS_DEFAULT and value == 0:
+            continue
+        out[hparam] = value
+    return out
+
+
+def loss_spec(config) -> trainer.LossSpec:
+    """The trainer's plain loss arguments from the config."""
+    c = config.loss
+    correction = c.correction
+    corr = {} if correction == _CORRECTION_OFF else loss_kwargs(c, correction)
+    return trainer.LossSpec(
+        objective=c.objective,
+        objective_kwargs=tuple(sorted(loss_kwargs(c, c.objective).items())),
+        aggregation=c.aggregation,
+        correction=correction,
+        correction_kwargs=tuple(sorted(corr.items())),
+        ratio_denominator=c.ratio_denominator,
+        kl_coef=float(c.kl_coef),
+        r3=bool(c.r3),
+        support_replay=bool(c.support_replay),
+        temperature=float(config.rollout.temperature),
+        router_aux=config.model.router_aux_loss_coef > 0,
+    )
+
+
+def _fail(msg: str):
+    raise ConfigError(msg)
+
+
+def _named(error: Exception) -> list[str]:
+    return re.findall(r"`(\w+)`", str(error))
+
+
+def _check_loss(config) -> None:
+    c = config.loss
+    objectives, corrections = registry.names("objective"), registry.names("correction")
+    if c.objective not in objectives:
+        _fail(f"loss.objective {c.objective!r} is not one of {objectives}")
+    if c.correction != _CORRECTION_OFF and c.correction not in corrections:
+        _fail(f"loss.correction must be {_CORRECTION_OFF!r} or one of {corrections}, got "
+              f"{c.correction!r}")
+    if c.aggregation not in losses.AGGREGATIONS:
+        _fail(f"loss.aggregation must be one of {losses.AGGREGATIONS}, got {c.aggregation!r}")
+    # The configured objective and correction, then every other config field some loss takes,
+    # checked by the first loss that takes it (a bad loss.dual_clip fails even while SAT-GSPO
+    # ignores it). A hyper-parameter a loss requires (KPop's phi) is checked when it is chosen.
+    checks = [(c.objective, loss_kwargs(c, c.objective))]
+    if c.correction != _CORRECTION_OFF:
+        checks.append((c.correction, loss_kwargs(c, c.correction)))
+    covered = {_config_key(c, name, h) for name, kw in checks for h in kw}  # config keys
+    for name in objectives + corrections:
+        extra = {h: v for h, v in loss_kwargs(c, name, required=False).items()
+                 if _config_key(c, name, h) not in covered}
+        if extra:
+            checks.append((name, extra))
+            covered |= {_config_key(c, name, h) for h in extra}
+    for name, kwargs in checks:
+        try:
+            registry.check(name, kwargs, aggregation=c.aggregation)
+        except (ValueError, TypeError) as e:
+            keys = [f"loss.{_config_key(c, name, h)}={kwargs[h]!r}" for h in _named(e)
+                    if h in kwargs] or [f"loss.{_config_key(c, name, h)}" for h in kwargs]
+            _fail(f"{', '.join(keys)} (checked by {name!r}): {e}")
+    if not (c.kl_coef >= 0 and math.isfinite(c.kl_coef)):
+        _fail(f"loss.kl_coef must be >= 0, got {c.kl_coef}")
+    if c.ratio_denominator not in ("rollout", "recompute"):
+        _fail(f"loss.ratio_denominator must be rollout|recompute, got {c.ratio_denominator!r}")
+    if c.advantage not in advantages.names():
+        _fail(f"loss.advantage must be one of {advantages.names()}, got {c.advantage!r}")
+    g = config.rollout.group_size
+    try:
+        jax.eval_shape(advantages.get(c.advantage), jax.ShapeDtypeStruct((1, g), "float32"))
+    except (ValueError, TypeError) as e:
+        _fail(f"rollout.group_size={g} with loss.advantage={c.advantage!r}: {e}")
+
+
+def _check_model(config) -> None:
+    from sat_jax.models import ModelConfig
+
+    fields = config.model.to_dict()
+    if fields.pop("hf_path"):
+        return  # the checkpoint's config.json decides (checked when it loads)
+    try:
+        ModelConfig(vocab_size=64, **fields)  # the tokenizer fixes vocab_size later
+    except (ValueError, TypeError) as e:
+        _fail(f"model: {e}")
+    if config.model.router_aux_loss_coef < 0:
+        _fail(f"model.router_aux_loss_coef must be >= 0, got {config.model.router_aux_loss_coef}")
+
+
+def _check_optim(config) -> None:
+    o = config.optim
+    if not (o.learning_rate > 0 and math.isfinite(o.learning_rate)):
+        _fail(f"optim.learning_rate must be > 0, got {o.learning_rate}")
+    for name in ("b1", "b2"):
+        if not 0 <= o[name] < 1:
+            _fail(f"optim.{name} must be in [0, 1), got {o[name]}")
+    for name in ("grad_clip", "weight_decay", "warmup_steps"):
+        if o[name] < 0:
+            _fail(f"optim.{name} must be >= 0, got {o[name]}")
+    try:
+        trainer.make_optimizer(o.learning_rate, schedule=o.schedule)
+    except ValueError as e:
+        _fail(f"optim.schedule: {e}")
+    if o.updates_per_batch < 1:
+        _fail(f"optim.updates_per_batch must be >= 1, got {o.updates_per_batch}")
+
+
+def _check_data(config) -> None:
+    d = config.data
+    if d.source not in ("task", "jsonl", "tfds"):
+        _fail(f"data.source must be task|jsonl|tfds, got {d.source!r}")
+    for name in ("max_prompt_len", "max_new_tokens"):
+        if d[name] < 1:
+            _fail(f"data.{name} must be >= 1, got {d[name]}")
+    if d.source == "task":
+        from sat_jax.data import make_task
+
+        try:
+            make_task(d.task, num_digits=d.num_digits, eval_size=d.eval_size, seed=0)
+        except (ValueError, KeyError, TypeError) as e:
+            _fail(f"data.task={d.task!r}: {e}")
+    if d.source == "jsonl":
+        for what, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
+            if (path or what == "data.path") and not os.path.isfile(os.path.expanduser(path)):
+                _fail(f"{what} {path!r} does not exist (data.source=jsonl)")
+    if d.source == "tfds" and not d.tfds_name:
+        _fail("data.tfds_name is required for data.source=tfds")
+    for what, path in (("model.hf_path", config.model.hf_path),
+                       ("data.tokenizer", "" if d.tokenizer == "char" else d.tokenizer)):
+        if path and not os.path.exists(os.path.expanduser(path)):
+            _fail(f"{what} {path!r} does not exist")
+    if config.model.hf_path and d.tokenizer == "char":
+        _fail("model.hf_path needs the checkpoint's tokenizer: set data.tokenizer to its directory")
+
+
+def _check_rollout(config, num_devices: int, num_processes: int) -> None:
+    r = config.rollout
+    g, p = r.group_size, r.prompts_per_step
+    if g < 1 or p < 1:
+        _fail(f"rollout.group_size and rollout.prompts_per_step must be >= 1, got {g}, {p}")
+    if p % num_processes:
+        _fail(f"rollout.prompts_per_step={p} (global) must divide over {num_processes} processes")
+    if r.dtype not in ("float32", "bfloat16"):
+        _fail(f"rollout.dtype must be float32|bfloat16, got {r.dtype!r}")
+    if not 0 < r.top_p <= 1 or not r.temperature > 0:
+        _fail(f"rollout.top_p must be in (0, 1] and rollout.temperature > 0, got {r.top_p}, "
+              f"{r.temperature}")
+    if r.top_k < 0 or r.stream_chunk < 1:
+        _fail(f"rollout.top_k must be >= 0 and rollout.stream_chunk >= 1, got {r.top_k}, "
+              f"{r.stream_chunk}")
+    m = config.mesh
+    if m.rollout_device >= 0 and num_processes > 1:
+        _fail("mesh.rollout_device is a single-host option; multi-host runs sample on each "
+              "process's own replica (mesh.rollout_device=-1)")
+    if m.rollout_device >= num_devices:
+        _fail(f"mesh.rollout_device={m.rollout_device} is not one of the {num_devices} devices")
+    available = num_devices - (1 if m.rollout_device >= 0 else 0)
+    n_dev = available if m.data == -1 else m.data
+    if not 1 <= n_dev <= available:
+        _fail(f"mesh.data={m.data} needs {n_dev} trainer devices, {available} available")
+    batch, mb = g * p, config.optim.num_minibatches
+    if mb < 1 or batch % mb:
+        _fail(f"the rollout batch ({p} prompts x {g} samples = {batch}) must split into "
+              f"optim.num_minibatches={mb} equal minibatches")
+    if (batch // mb) % n_dev:
+        _fail(f"each minibatch ({batch // mb} sequences) must divide evenly over {n_dev} "
+              "data-parallel devices")
+
+
+def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
+    """Rejects impossible settings with one :class:`ConfigError`, before any compute."""
+    if config.num_steps < 1:
+        _fail(f"num_steps must be >= 1, got {config.num_steps}")
+    try:
+        lag_lib.LagSchedule(config.lag_mode, config.lag)
+    except (ValueError, TypeError) as e:
+        _fail(f"lag_mode={config.lag_mode!r}, lag={config.lag}: {e}")
+    if config.snapshot_placement not in PLACEMENTS:
+        _fail(f"snapshot_placement must be one of {PLACEMENTS}, got {config.snapshot_placement!r}")
+    _check_loss(config)
+    _check_model(config)
+    _check_optim(config)
+    _check_data(config)
+    _check_rollout(config, num_devices, num_processes)
+    s = config.sft
+    if s.steps < 0 or s.batch_size < 1 or not s.learning_rate > 0:
+        _fail(f"sft.steps must be >= 0, sft.batch_size >= 1 and sft.learning_rate > 0, got "
+              f"{s.steps}, {s.batch_size}, {s.learning_rate}")
+    if config.eval.every < 0 or config.checkpoint.every < 0:
+        _fail("eval.every and checkpoint.every must be >= 0 (0 disables)")
+    if config.eval.num_prompts < 1:
+        _fail(f"eval.num_prompts must be >= 1, got {config.eval.num_prompts}")
+    if config.checkpoint.max_to_keep < 1:
+        _fail(f"checkpoint.max_to_keep must be >= 1, got {config.checkpoint.max_to_keep}")
+
+
+def plain(config) -> dict[str, Any]:
+    """The config as JSON types (what checkpoints and ``config.json`` store)."""
+    return json.loads(json.dumps(config.to_dict(), default=str))
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def changed_fields(stored: dict[str, Any], config) -> list[str]:
+    """``"key: stored -> new"`` for each field (outside :data:`RESUMABLE`) that differs."""
+    old, new = _flatten(stored), _flatten(plain(config))
+
+    def resumable(key):
+        return any(key == r or key.startswith(r + ".") for r in RESUMABLE)
+
+    return [f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}"
+            for k in sorted(set(old) | set(new)) if not resumable(k) and old.get(k) != new.get(k)]

@@ -1,0 +1,119 @@
+"""Where the trainer's batches come from: one interface, two implementations.
+
+A rollout source owns the lag schedule, the :class:`SnapshotStore` and its retention. The loop
+asks it for the batch of step j (:meth:`RolloutSource.next`, which also hands over the behaviour
+parameters the loss needs) and tells it about each new parameter version
+(:meth:`RolloutSource.publish`); everything about which version samples which batch, and which
+versions must stay in memory for that, lives behind these two calls.
+
+* :class:`ScheduledRollouts` — the synchronous ``fixed`` and ``broadcast`` modes
+  (``sat_jax.rl.lag``): batch j is sampled by ``schedule.version_for(j)``, exactly.
+* :class:`sat_jax.rl.stream.StreamRollouts` — ``stream``: a worker thread decodes with the newest
+  version, swapping weights mid-decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import jax
+
+from sat_jax.rl import rng
+from sat_jax.rl.batch import RolloutBatch
+from sat_jax.rl.lag import LagSchedule
+from sat_jax.rl.rollout import RolloutEngine
+from sat_jax.rl.snapshots import SnapshotStore
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """A scored batch and what the trainer step needs besides it.
+
+    Attributes:
+      batch: the host batch.
+      behaviour: ``{"old": params}`` (the behaviour version, for a recompute of log μ̃) when the
+        loss needs it, else empty.
+      metrics: the source's own logs (rollout and queue times, weight swaps, snapshot memory).
+      compiled_seconds: wall time spent inside compiled rollout computations; ``None`` when they
+        run on another thread (stream mode).
+    """
+
+    batch: RolloutBatch
+    behaviour: dict[str, Any]
+    metrics: dict[str, float]
+    compiled_seconds: float | None
+
+
+class RolloutSource(Protocol):
+    """The interface the training loop sees (see the module docstring)."""
+
+    store: SnapshotStore
+
+    def start(self) -> None:
+        """Begins producing batches (after the store holds its restored or initial versions)."""
+
+    def next(self, step: int) -> Rollout:
+        """The scored batch trainer step ``step`` consumes."""
+
+    def publish(self, version: int, params: Any) -> None:
+        """Records ``params`` as ``version`` and drops the versions no later batch needs."""
+
+    def close(self) -> None:
+        """Stops any worker."""
+
+
+class ScheduledRollouts:
+    """``fixed`` / ``broadcast``: batch j is sampled by ``schedule.version_for(j)`` on the caller's
+    thread, with the key ``rng.key(seed, "rollout", j, process)``.
+
+    The store keeps exactly ``schedule.needed_after(j)`` plus the newest version, which is never
+    more than ``schedule.capacity`` (k + 1 for fixed lag k, 2 for broadcast).
+
+    Args:
+      engine: samples and scores.
+      schedule: a ``fixed`` or ``broadcast`` :class:`LagSchedule`.
+      prompts: iterator of prompt-example lists (this process's share of each step).
+      seed: the run's seed.
+      needs_old: hand the behaviour version's parameters to the trainer.
+      placement: the store's ``"device"`` or ``"host"``.
+      view: maps stored parameters to the copy the engine samples from.
+    """
+
+    def __init__(self, engine: RolloutEngine, schedule: LagSchedule, prompts: Iterator, seed: int,
+                 *, needs_old: bool, placement: str = "device",
+                 view: Callable[[Any], Any] = lambda params: params):
+        if schedule.mode == "stream":
+            raise ValueError("ScheduledRollouts needs a fixed or broadcast schedule; stream mode "
+                             "is sat_jax.rl.stream.StreamRollouts")
+        self.engine, self.schedule, self.prompts, self.seed = engine, schedule, prompts, seed
+        self.needs_old, self.view = needs_old, view
+        self.store = SnapshotStore(schedule.capacity, placement)
+
+    def start(self) -> None:
+        pass
+
+    def next(self, step: int) -> Rollout:
+        version = self.schedule.version_for(step)
+        examples = next(self.prompts)
+        t0 = time.perf_counter()
+        params = self.store.get(version)
+        out = self.engine.generate(self.view(params), examples,
+                                   rng.key(self.seed, "rollout", step, jax.process_index()),
+                                   version)
+        jax.block_until_ready(out.tokens)
+        generate_s = time.perf_counter() - t0
+        batch = self.engine.score(examples, out)
+        metrics = {"time/rollout_s": time.perf_counter() - t0, "time/queue_wait_s": 0.0,
+                   **self.store.memory()}
+        # Every token of batch j comes from version_for(j): that is the behaviour version.
+        behaviour = {"old": params} if self.needs_old else {}
+        return Rollout(batch, behaviour, metrics, generate_s)
+
+    def publish(self, version: int, params: Any) -> None:
+        self.store.put(version, params, keep=self.schedule.needed_after(version - 1))
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,117 @@
+"""The ``sat-jax`` front door, in-process: help, the config command, and every impossible config
+value stopping with ``sat-jax: error: invalid config: ...`` and exit 2 before anything compiles."""
+
+import sys
+
+import jax
+import pytest
+from absl import flags
+
+from sat_jax import cli
+
+_COMPILES: list[str] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, *_, **__: _COMPILES.append(name) if "backend_compile" in name else None
+)
+
+
+@pytest.fixture(autouse=True)
+def no_training(monkeypatch):
+    """A config that passes validation by mistake must not start a run."""
+    from sat_jax.rl import learner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("validation passed: the run would have started")
+
+    monkeypatch.setattr(learner, "train", refuse)
+    monkeypatch.setattr(learner, "evaluate_run", refuse)
+
+
+def run_cli(capsys, *args):
+    """``sat-jax ARGS`` in this process, as ``cli.run`` does it: (exit status, stdout, stderr)."""
+    rc = cli.print_help(list(args))
+    if rc is None:
+        argv = ["sat-jax", f"--config={cli.default_config_module.__file__}", *args]
+        saved = sys.argv
+        # ml_collections registers the --config.KEY overrides it finds in sys.argv on parsing.
+        sys.argv = argv
+        try:
+            if flags.FLAGS.is_parsed():
+                flags.FLAGS.unparse_flags()
+            for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+                delattr(flags.FLAGS, name)  # the previous call's override flags
+            rc = cli.main(flags.FLAGS(argv))
+        finally:
+            sys.argv = saved
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+INVALID = [
+    ("optim.learning_rate=-1", "optim.learning_rate must be > 0"),
+    ("loss.alpha=1.5", "loss.alpha=1.5 (checked by 'sat_gspo'): `alpha` must be <= 1.0"),
+    ("loss.eps_low=1.0", "loss.eps_low=1.0 (checked by 'sat_gspo'): `eps_low` must be < 1.0"),
+    ("loss.eps_high=-0.1", "`eps_high` must be >= 0.0"),
+    ("loss.dual_clip=0.5", "loss.dual_clip=0.5 (checked by 'grpo'): `dual_clip` must be > 1.0"),
+    ("loss.hill_exponent=0", "`hill_exponent` must be > 0.0"),
+    ("loss.objective=nope", "loss.objective 'nope' is not one of"),
+    ("loss.correction=nope", "loss.correction must be 'none' or one of"),
+    ("loss.correction=kpop", "loss.kpop_phi=0.0 (checked by 'kpop'): `phi` must be > 0.0"),
+    ("loss.tis_cap=0", "loss.tis_cap"),
+    ("loss.aggregation=mean", "loss.aggregation must be one of"),
+    ("loss.advantage=ppo", "loss.advantage must be one of"),
+    ("loss.kl_coef=-1", "loss.kl_coef must be >= 0"),
+    ("loss.ratio_denominator=x", "loss.ratio_denominator must be"),
+    ("rollout.group_size=1", "rollout.group_size=1 with loss.advantage='grpo'"),
+    ("rollout.top_p=0", "rollout.top_p must be in (0, 1]"),
+    ("rollout.dtype=int8", "rollout.dtype must be"),
+    ("rollout.stream_chunk=0", "rollout.stream_chunk >= 1"),
+    ("model.num_experts_per_tok=40", "num_experts_per_tok=40 exceeds num_experts=16"),
+    ("model.num_kv_heads=3", "model: ModelConfig"),
+    ("data.max_new_tokens=0", "data.max_new_tokens must be >= 1"),
+    ("data.task=nope", "data.task='nope'"),
+    ("data.source=tfds", "data.tfds_name is required"),
+    ("lag=-1", "lag for mode 'broadcast' must be >= 1"),
+    ("lag_mode=sync", "lag mode must be one of"),
+    ("num_steps=0", "num_steps must be >= 1"),
+    ("snapshot_placement=disk", "snapshot_placement must be one of"),
+    ("optim.b2=1.0", "optim.b2 must be in [0, 1)"),
+    ("optim.schedule=linear", "optim.schedule"),
+    ("optim.num_minibatches=3", "must split into"),
+    ("sft.batch_size=0", "sft.batch_size >= 1"),
+    ("eval.num_prompts=0", "eval.num_prompts must be >= 1"),
+    ("checkpoint.max_to_keep=0", "checkpoint.max_to_keep must be >= 1"),
+    ("mesh.data=100", "mesh.data=100 needs 100 trainer devices"),
+]
+
+
+@pytest.mark.parametrize("override,message", INVALID, ids=[o for o, _ in INVALID])
+def test_invalid_values_exit_2_before_compiling(override, message, capsys, tmp_path):
+    _COMPILES.clear()
+    rc, out, err = run_cli(capsys, "train", f"--config.{override}", f"--workdir={tmp_path}/run")
+    assert rc == 2, (out, err)
+    assert err.startswith("sat-jax: error: invalid config: "), err
+    assert message in err, err
+    assert "Traceback" not in out + err
+    assert _COMPILES == []  # checked by tracing (jax.eval_shape), nothing compiled
+    assert not (tmp_path / "run").exists()
+
+
+def test_help_lists_commands_flags_and_where_the_config_keys_are(capsys):
+    rc, out, _ = run_cli(capsys, "--help")
+    assert rc == 0
+    for command in cli.COMMANDS:
+        assert f"\n  {command} " in out
+    assert "--config.KEY=VALUE" in out and "--workdir" in out and "sat-jax config" in out
+    rc, out, _ = run_cli(capsys, "train", "--help")
+    assert rc == 0 and out.startswith("usage: sat-jax train") and "--max_steps" in out
+    rc, out, _ = run_cli(capsys)  # no command: the help, not a training run
+    assert rc == 2 and out.startswith("usage: sat-jax COMMAND")
+
+
+def test_config_command_prints_the_resolved_config(capsys):
+    rc, out, err = run_cli(capsys, "config", "--config.lag=3")
+    assert rc == 0, err
+    assert "lag: 3" in out and "objective: sat_gspo" in out and "kpop_phi" in out
+    rc, _, err = run_cli(capsys, "frobnicate")
+    assert rc == 2 and "unknown command 'frobnicate'" in err
