@@ -219,10 +219,10 @@ def test_random_streams_are_named_and_keep_the_rollout_root():
 
 
 def test_batch_specs_and_minibatches_follow_each_fields_batch_axis():
-    specs = RolloutBatch.specs()
+    specs = RolloutBatch.specs(("data",))
     assert specs.tokens == jax.sharding.PartitionSpec("data")
     assert specs.routing == jax.sharding.PartitionSpec(None, "data")
-    two = RolloutBatch.specs(("data", "fsdp"))
+    two = RolloutBatch.specs()  # default: BATCH_AXES
     assert two.routing == jax.sharding.PartitionSpec(None, ("data", "fsdp"))
     b = 4
     batch = RolloutBatch(tokens=np.arange(b * 3).reshape(b, 3), input_mask=np.ones((b, 3), bool),

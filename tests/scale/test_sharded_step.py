@@ -78,13 +78,17 @@ def _batch(graphdef, params, rng_seed=0, rows=B):
     }
 
 
+def _host_batch(fields) -> RolloutBatch:
+    return RolloutBatch(**fields, versions=np.zeros_like(fields["behavior_logp"], np.int32),
+                        rewards=np.zeros_like(fields["advantages"]))
+
+
 def _run(mesh_kwargs, graphdef, batch):
     mesh = parallel.make_mesh(**mesh_kwargs)
     _, params = init_model(CFG, seed=0, mesh=mesh)
     state = trainer.init_train_state(params, OPT, mesh, config=CFG)
     step = trainer.make_train_step(graphdef, OPT, SPEC, prompt_width=P_W, mesh=mesh, donate=True)
-    placed = RolloutBatch(**batch, versions=np.zeros_like(batch["behavior_logp"], np.int32),
-                          rewards=np.zeros_like(batch["advantages"])).shard(mesh)
+    placed = _host_batch(batch).shard(mesh)
     before = {"opt": _device_bytes(state.opt_state),
               "shardings": [x.sharding for x in jax.tree.leaves(state)]}
     new_state, metrics = step(state, placed, {})
@@ -162,7 +166,7 @@ def test_mesh_that_does_not_divide_is_one_clear_error(model, batch):
     mesh = parallel.make_mesh(num_data=4, fsdp=2)
     step = trainer.make_train_step(model[0], OPT, SPEC, prompt_width=P_W, mesh=mesh)
     state = trainer.init_train_state(model[1], OPT, mesh, config=CFG)
-    odd = {k: (v[:, :6] if k == "routing" else v[:6]) for k, v in batch.items()}
+    odd = _host_batch(batch).select(slice(0, 6))
     with pytest.raises(ValueError, match=r"'data' \(4\) × 'fsdp' \(2\).*batch size=6"):
         step(state, odd, {})
     with pytest.raises(ValueError, match="tensor"):
