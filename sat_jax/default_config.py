@@ -138,6 +138,12 @@ def get_config() -> ml_collections.ConfigDict:
     # Parallelism: data-parallel devices (-1: all); multi-host set up by the CLI flags.
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1
+    # Model-parallel axes (sat_jax.models.sharding): FSDP shards parameters, gradients and optimizer
+    # state; experts split over `expert`; heads and MLP widths over `tensor`. The batch is split
+    # over data x fsdp; mesh.data = -1 takes the devices the other axes leave.
+    c.mesh.fsdp = 1
+    c.mesh.expert = 1
+    c.mesh.tensor = 1
     # Rollout device set: -1 shares the trainer's devices (each process samples from its own
     # replica); k >= 0 reserves local device k for the rollout engine, and the trainer mesh takes
     # the others (a rollout mesh and a trainer mesh, as in the paper's split GPU pools).

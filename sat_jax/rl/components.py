@@ -21,7 +21,7 @@ from sat_jax.data import (
     make_task,
     qwen_chat_prompt,
 )
-from sat_jax.models import ModelConfig, init_model, load_hf
+from sat_jax.models import ModelConfig, init_model, load_hf, param_shardings
 from sat_jax.rl import sft, trainer
 from sat_jax.rl.config import loss_spec
 from sat_jax.rl.rollout import RolloutEngine
@@ -55,7 +55,7 @@ class Components:
     tokenizer: Any
     model_cfg: ModelConfig
     graphdef: Any
-    params: Any  # post-warm-up, replicated on the mesh
+    params: Any  # post-warm-up, in the sharding table on the mesh
     engine: RolloutEngine
     train_src: Any
     eval_examples: list
@@ -79,7 +79,8 @@ def build(config, log=lambda msg: None) -> Components:
     if config.mesh.rollout_device >= 0:
         rollout_device = jax.local_devices()[config.mesh.rollout_device]
         devices = [d for d in devices if d != rollout_device]
-    mesh = parallel.make_mesh(config.mesh.data, devices)
+    mesh = parallel.make_mesh(config.mesh.data, devices, fsdp=config.mesh.fsdp,
+                              expert=config.mesh.expert, tensor=config.mesh.tensor)
     train_src, eval_src, task = build_sources(config)
     model_fields = config.model.to_dict()
     hf_path = os.path.expanduser(model_fields.pop("hf_path"))
@@ -140,7 +141,8 @@ def build(config, log=lambda msg: None) -> Components:
     eval_examples = [eval_src[i] for i in range(min(config.eval.num_prompts, len(eval_src)))]
     return Components(
         mesh=mesh, tokenizer=tokenizer, model_cfg=model_cfg, graphdef=graphdef,
-        params=parallel.replicate(params, mesh), engine=engine, train_src=train_src,
+        params=jax.device_put(params, param_shardings(model_cfg, mesh)), engine=engine,
+        train_src=train_src,
         eval_examples=eval_examples, spec=loss_spec(config), optimizer=optimizer,
         sft_info=sft_info, rollout_device=rollout_device,
     )

@@ -224,16 +224,22 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
     if m.rollout_device >= num_devices:
         _fail(f"mesh.rollout_device={m.rollout_device} is not one of the {num_devices} devices")
     available = num_devices - (1 if m.rollout_device >= 0 else 0)
-    n_dev = available if m.data == -1 else m.data
-    if not 1 <= n_dev <= available:
-        _fail(f"mesh.data={m.data} needs {n_dev} trainer devices, {available} available")
+    for axis in ("fsdp", "expert", "tensor"):
+        if not isinstance(m[axis], int) or m[axis] < 1:
+            _fail(f"mesh.{axis} must be a positive int, got {m[axis]!r}")
+    inner = m.fsdp * m.expert * m.tensor
+    data = available // inner if m.data == -1 else m.data
+    if data < 1 or data * inner > available:
+        _fail(f"mesh (data={m.data}, fsdp={m.fsdp}, expert={m.expert}, tensor={m.tensor}) needs "
+              f"{max(data, 1) * inner} trainer devices, {available} available")
+    n_dev = data * m.fsdp  # the batch is split over data x fsdp
     batch, mb = g * p, config.optim.num_minibatches
     if mb < 1 or batch % mb:
         _fail(f"the rollout batch ({p} prompts x {g} samples = {batch}) must split into "
               f"optim.num_minibatches={mb} equal minibatches")
     if (batch // mb) % n_dev:
         _fail(f"each minibatch ({batch // mb} sequences) must divide evenly over {n_dev} "
-              "data-parallel devices")
+              "batch shards (mesh data x fsdp)")
 
 
 def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:

@@ -87,7 +87,8 @@ def evaluate_run(config) -> dict[str, Any]:
     the in-training evaluation at that step."""
     workdir, ckpt_dir = default_config.run_paths(config)
     parts = build(config)
-    state = trainer.init_train_state(parts.params, parts.optimizer)
+    state = trainer.init_train_state(parts.params, parts.optimizer, parts.mesh,
+                                     config=parts.model_cfg)
     with Checkpointer(ckpt_dir) as ckpt:
         if ckpt.latest_step() is None:
             raise FileNotFoundError(f"no checkpoint in {workdir}")
@@ -147,12 +148,12 @@ class _Session:
         self.parts = parts = build(config, log)
         self.train_step = trainer.make_train_step(parts.graphdef, parts.optimizer, parts.spec,
                                                   prompt_width=config.data.max_prompt_len,
-                                                  mesh=parts.mesh)
+                                                  mesh=parts.mesh, donate=True)
         self.ref_params = parts.params
-        # Every leaf on the mesh, the step counters included: the step returns them replicated,
-        # and an uncommitted input at step 1 would make step 2 a cache miss (a recompilation).
-        self.state = parallel.replicate(trainer.init_train_state(parts.params, parts.optimizer),
-                                        parts.mesh)
+        # Every leaf on the mesh in the layout the step returns (optimizer state created sharded,
+        # step counter replicated): an uncommitted input at step 1 would make step 2 a cache miss.
+        self.state = trainer.init_train_state(parts.params, parts.optimizer, parts.mesh,
+                                              config=parts.model_cfg)
         # prompts_per_step is global; each process rolls out its own contiguous share of it.
         self.iterator = PromptIterator(parts.train_src, config.rollout.prompts_per_step,
                                        seed=config.seed, process_index=jax.process_index(),

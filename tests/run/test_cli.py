@@ -81,7 +81,8 @@ INVALID = [
     ("sft.batch_size=0", "sft.batch_size >= 1"),
     ("eval.num_prompts=0", "eval.num_prompts must be >= 1"),
     ("checkpoint.max_to_keep=0", "checkpoint.max_to_keep must be >= 1"),
-    ("mesh.data=100", "mesh.data=100 needs 100 trainer devices"),
+    ("mesh.data=100", "mesh (data=100, fsdp=1, expert=1, tensor=1) needs 100 trainer devices"),
+    ("mesh.fsdp=0", "mesh.fsdp must be a positive int"),
 ]
 
 
