@@ -63,6 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.router_aux_loss_coef = 0.0
     c.model.remat = False
 
+
     # Rollout engine: bfloat16 against the float32 trainer reproduces the engine mismatch.
     c.rollout = ml_collections.ConfigDict()
     c.rollout.dtype = "bfloat16"
@@ -102,6 +103,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.loss.ratio_denominator = "rollout"  # rollout (Eq. 51) | recompute
     c.loss.r3 = True  # replay rollout routing in the trainer (Eq. 40)
     c.loss.support_replay = True  # replay top-p/top-k cut-offs (Eq. 50)
+    # Training log-probs in chunks of this many positions (0: the whole [B, T, V] at once); the
+    # LM head's logits then take O(B * chunk * V) memory instead of O(B * T * V).
+    c.loss.logprob_chunk = 0
 
     # Optimizer (Adam β = (0.9, 0.98) as in the paper).
     c.optim = ml_collections.ConfigDict()

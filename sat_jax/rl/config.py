@@ -88,6 +88,7 @@ def loss_spec(config) -> trainer.LossSpec:
         support_replay=bool(c.support_replay),
         temperature=float(config.rollout.temperature),
         router_aux=config.model.router_aux_loss_coef > 0,
+        logprob_chunk=int(c.logprob_chunk) or None,
     )
 
 
@@ -246,6 +247,9 @@ def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
     """Rejects impossible settings with one :class:`ConfigError`, before any compute."""
     if config.num_steps < 1:
         _fail(f"num_steps must be >= 1, got {config.num_steps}")
+    chunk = config.loss.logprob_chunk
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+        _fail(f"loss.logprob_chunk must be an int >= 0 (0: no chunking), got {chunk!r}")
     try:
         lag_lib.LagSchedule(config.lag_mode, config.lag)
     except (ValueError, TypeError) as e:

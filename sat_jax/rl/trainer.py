@@ -54,6 +54,7 @@ class LossSpec:
     support_replay: bool = True
     temperature: float = 1.0
     router_aux: bool = False  # add the model's load-balancing loss (router_aux_loss_coef > 0)
+    logprob_chunk: int | None = None  # token_logprobs(chunk_size=): None = full [B, T, V]
 
     @property
     def needs_old(self) -> bool:
@@ -108,6 +109,7 @@ def _logprobs(graphdef, params, batch, spec: LossSpec, prompt_width: int):
         routing=batch.routing if spec.r3 else None,
         cutoffs=batch.cutoffs if spec.support_replay else None,
         temperature=spec.temperature,
+        chunk_size=spec.logprob_chunk,
     )
 
 
@@ -291,6 +293,9 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
 
     # The compiled program's handles, for tests and ahead-of-time compilation.
     step._cache_size = jitted._cache_size
+    step.jitted = jitted
+    step.args = lambda state, batch, extra: (state.params, state.opt_state, state.step, batch,
+                                             extra)
     step.lower = lambda state, batch, extra: jitted.lower(state.params, state.opt_state,
                                                           state.step, batch, extra)
     return step

@@ -83,6 +83,7 @@ INVALID = [
     ("checkpoint.max_to_keep=0", "checkpoint.max_to_keep must be >= 1"),
     ("mesh.data=100", "mesh (data=100, fsdp=1, expert=1, tensor=1) needs 100 trainer devices"),
     ("mesh.fsdp=0", "mesh.fsdp must be a positive int"),
+    ("loss.logprob_chunk=-1", "loss.logprob_chunk must be an int >= 0"),
 ]
 
 
