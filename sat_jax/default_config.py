@@ -62,6 +62,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.norm_topk_prob = True
     c.model.router_aux_loss_coef = 0.0
     c.model.remat = False
+    # Mixed precision: compute dtype of the trainer's model and the dtype of its master parameters
+    # (and so of gradients and Adam moments); the rollout engine's dtype is rollout.dtype.
+    c.model.dtype = "float32"
+    c.model.param_dtype = "float32"
+    # Routed experts: auto (fastest on the backend: ragged_dot on TPU/GPU, blocked on CPU) | dense
+    # (the reference, every expert for every token) | ragged | blocked (sat_jax/models/moe.py).
+    c.model.moe_impl = "auto"
 
 
     # Rollout engine: bfloat16 against the float32 trainer reproduces the engine mismatch.

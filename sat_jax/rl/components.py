@@ -92,7 +92,9 @@ def build(config, log=lambda msg: None) -> Components:
     if hf_path:
         model_cfg, graphdef, params = load_hf(
             hf_path, router_aux_loss_coef=model_fields["router_aux_loss_coef"],
-            remat=model_fields["remat"],
+            dtype=jnp.dtype(model_fields["dtype"]),
+            param_dtype=jnp.dtype(model_fields["param_dtype"]), mesh=mesh,
+            remat=model_fields["remat"], moe_impl=model_fields["moe_impl"],
         )
         if tokenizer.vocab_size > model_cfg.vocab_size:
             raise ValueError(f"the tokenizer's {tokenizer.vocab_size} ids exceed the model's "

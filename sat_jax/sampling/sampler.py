@@ -152,7 +152,7 @@ class Sampler:
         # or, swapping parameters between chunks:
         state = sampler.init(params, prompts, prompt_lengths, key, SamplingParams(1.0))
         while not sampler.is_done(state):
-            params, version = snapshot_store.latest()
+            version, params = snapshot_store.latest()
             state = sampler.decode(params, state, num_steps=8, version=version)
         out = sampler.finalize(state)
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from sat_jax.models import ModelConfig, abstract_params, graphdef_for, init_model, token_logprobs
-from sat_jax.models.layers import _dense_expert_ffn
+from sat_jax.models.moe import expert_ffn
 
 SMALL = dict(vocab_size=32, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, intermediate_size=16)
@@ -78,12 +78,12 @@ def test_dense_expert_ffn_hand_example():
     down = jnp.array([[[0.5]], [[1.0]]])
     indices = jnp.array([[0], [1]], jnp.int32)
     weights = jnp.array([[0.25], [1.0]])
-    y = _dense_expert_ffn(x, indices, weights, gate, up, down)
+    y = expert_ffn(x, indices, weights, gate, up, down, impl="dense")
     silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
     want = [0.25 * 0.5 * silu(1.0) * 2.0, 1.0 * 1.0 * silu(-2.0) * 6.0]
     np.testing.assert_allclose(np.asarray(y)[:, 0], want, rtol=1e-6)
     with pytest.raises(ValueError, match="impl"):
-        _dense_expert_ffn(x, indices, weights, gate, up, down, impl="ragged")
+        expert_ffn(x, indices, weights, gate, up, down, impl="sparse")
 
 
 @pytest.mark.parametrize("policy", ["full", "dots_saveable"])
