@@ -138,23 +138,5 @@ def local_view(tree):
     return jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
 
 
-def shard_batch(batch: dict[str, np.ndarray], specs: dict[str, P], mesh) -> dict[str, jax.Array]:
-    """Places a host batch on ``mesh`` with the given per-field specs.
-
-    Single process: ``batch`` is the global batch. Several processes: ``batch`` is this process's
-    contiguous shard of the global batch (process i holds rows i·b … (i+1)·b − 1), assembled with
-    ``jax.make_array_from_process_local_data``.
-    """
-    out = {}
-    for name, spec in specs.items():
-        sharding = NamedSharding(mesh, spec)
-        value = np.asarray(batch[name])
-        if jax.process_count() == 1:
-            out[name] = jax.device_put(value, sharding)
-        else:
-            out[name] = jax.make_array_from_process_local_data(sharding, value)
-    return out
-
-
 def is_primary() -> bool:
     return jax.process_index() == 0
