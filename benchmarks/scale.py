@@ -67,34 +67,13 @@ from configs.qwen3_30b_a3b import QWEN3_30B_A3B_CONFIG  # noqa: E402
 from sat_jax import parallel  # noqa: E402
 from sat_jax.models import cache_spec, config_from_hf  # noqa: E402
 from sat_jax.models.transformer import (  # noqa: E402
-    abstract_params,
     graphdef_for,
-    param_shardings,
 )
 from sat_jax.rl import trainer  # noqa: E402
 from sat_jax.rl.batch import RolloutBatch, batch_axes  # noqa: E402
 from sat_jax.sampling import Sampler, SamplingParams  # noqa: E402
 
 GIB = 2.0**30
-
-
-def _abstract(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-                        shardings)
-
-
-def _abstract_state(params, shardings, optimizer, mesh):
-    """The train state as sharded ShapeDtypeStructs: moments in their parameter's sharding."""
-    import optax
-
-    opt = jax.eval_shape(optimizer.init, params)
-    replicated = NamedSharding(mesh, P())
-    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt, shardings,
-                                   transform_non_params=lambda _: replicated,
-                                   is_leaf=lambda x: isinstance(x, NamedSharding))
-    opt = _abstract(opt, opt_sh)
-    return trainer.TrainState(params, opt, jax.ShapeDtypeStruct((), jnp.int32,
-                                                                sharding=replicated))
 
 
 def _device_bytes(tree) -> int:
@@ -129,13 +108,10 @@ def main(args) -> dict:
         overrides["num_layers"] = args.layers
     cfg = config_from_hf(QWEN3_30B_A3B_CONFIG, dtype=jnp.bfloat16, **overrides)
     mesh = parallel.make_mesh(data, fsdp=fsdp, expert=expert, tensor=tensor)
-    abstract = abstract_params(cfg)
-    p_sh = param_shardings(cfg, mesh)
-    params = _abstract(abstract, p_sh)
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
-
     optimizer = trainer.make_optimizer(1e-6, b1=0.9, b2=0.98, grad_clip=1.0)
-    state = _abstract_state(params, p_sh, optimizer, mesh)
+    state = trainer.abstract_train_state(cfg, optimizer, mesh)
+    params = state.params
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     opt_bytes = _device_bytes(state.opt_state)
     param_bytes = _device_bytes(params)
     out = {
@@ -147,8 +123,8 @@ def main(args) -> dict:
         "param_count": n_params,
         "param_count_billions": round(n_params / 1e9, 3),
         "bytes_total_gib": {
-            "params_fp32": round(_total_bytes(abstract) / GIB, 2),
-            "grads_fp32": round(_total_bytes(abstract) / GIB, 2),
+            "params_fp32": round(_total_bytes(params) / GIB, 2),
+            "grads_fp32": round(_total_bytes(params) / GIB, 2),
             "adam_fp32": round(_total_bytes(state.opt_state) / GIB, 2),
         },
         "bytes_per_device_gib": {
@@ -157,7 +133,7 @@ def main(args) -> dict:
             "optimizer": round(opt_bytes / GIB, 3),
         },
     }
-    ideal = (2 * _total_bytes(abstract) + _total_bytes(state.opt_state)) / len(jax.devices())
+    ideal = (2 * _total_bytes(params) + _total_bytes(state.opt_state)) / len(jax.devices())
     out["params_grads_opt_per_device_over_ideal"] = round(
         (2 * param_bytes + opt_bytes) / ideal, 4)
 

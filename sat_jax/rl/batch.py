@@ -34,12 +34,6 @@ def batch_axes(mesh) -> tuple[str, ...]:
     return tuple(a for a in BATCH_AXES if a in mesh.shape)
 
 
-def axis_name(axes: Sequence[str] = BATCH_AXES):
-    """The collective axis name for ``axes``: the name itself for one axis, else the tuple."""
-    axes = tuple(axes)
-    return axes[0] if len(axes) == 1 else axes
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RolloutBatch:

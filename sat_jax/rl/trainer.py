@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from sat_jax import losses
 from sat_jax.models.logprobs import token_logprobs
 from sat_jax.models.sharding import check_mesh
-from sat_jax.models.transformer import param_shardings
+from sat_jax.models.transformer import abstract_params, param_shardings
 from sat_jax.rl.batch import RolloutBatch, batch_axes
 
 
@@ -181,12 +181,13 @@ def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_na
     return loss, metrics
 
 
-def _opt_shardings(optimizer, opt_state, param_shardings):
-    """The optimizer state's leaves shaped like the parameters get the parameters' shardings;
-    the rest (step counts) none (left to the compiler; they are scalars)."""
+def opt_state_shardings(optimizer, opt_state, param_shardings, scalars=None):
+    """Shardings of an optimizer state: leaves shaped like the parameters (Adam's moments) take
+    their parameter's sharding, the rest (step counts) ``scalars`` (None: left to the
+    compiler)."""
     return optax.tree_map_params(
         optimizer, lambda _, s: s, opt_state, param_shardings,
-        transform_non_params=lambda _: None,
+        transform_non_params=lambda _: scalars,
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
 
@@ -274,7 +275,7 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
         grads = _constrain(grads, shardings)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = _constrain(optax.apply_updates(params, updates), shardings)
-        opt_state = _constrain(opt_state, _opt_shardings(optimizer, opt_state, shardings))
+        opt_state = _constrain(opt_state, opt_state_shardings(optimizer, opt_state, shardings))
         metrics["optim/grad_norm"] = optax.tree.norm(grads)
         metrics["optim/update_norm"] = optax.tree.norm(updates)
         return params, opt_state, count + 1, metrics
@@ -317,13 +318,24 @@ def init_train_state(params: nnx.State, optimizer, mesh=None, *, config=None) ->
         params = jax.device_put(params, shardings)
     else:
         shardings = jax.tree.map(lambda x: x.sharding, params)
-    abstract = jax.eval_shape(optimizer.init, params)
     replicated = NamedSharding(mesh, P())
-    opt_sh = optax.tree_map_params(
-        optimizer, lambda _, s: s, abstract, shardings,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
+    opt_sh = opt_state_shardings(optimizer, jax.eval_shape(optimizer.init, params), shardings,
+                                 replicated)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
     return TrainState(params, opt_state, step)
+
+
+def abstract_train_state(config, optimizer, mesh) -> TrainState:
+    """The state ``init_train_state`` would place on ``mesh``, as sharded ``jax.ShapeDtypeStruct``
+    leaves (nothing allocated): what ahead-of-time lowering of the step takes."""
+    def spec(tree, shardings):
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            tree, shardings)
+
+    shardings = param_shardings(config, mesh)
+    params = spec(abstract_params(config), shardings)
+    opt = jax.eval_shape(optimizer.init, params)
+    replicated = NamedSharding(mesh, P())
+    opt = spec(opt, opt_state_shardings(optimizer, opt, shardings, replicated))
+    return TrainState(params, opt, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))

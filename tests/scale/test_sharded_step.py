@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
 
 from sat_jax import parallel
 from sat_jax.models import (
@@ -174,17 +173,7 @@ def test_mesh_that_does_not_divide_is_one_clear_error(model, batch):
 
 
 def _abstract_state(config, mesh, optimizer):
-    shardings = param_shardings(config, mesh)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          abstract_params(config), shardings)
-    opt = jax.eval_shape(optimizer.init, params)
-    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, opt, shardings,
-                                   transform_non_params=lambda _: NamedSharding(mesh, P_()),
-                                   is_leaf=lambda x: isinstance(x, NamedSharding))
-    opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt,
-                       opt_sh)
-    count = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P_()))
-    return trainer.TrainState(params, opt, count)
+    return trainer.abstract_train_state(config, optimizer, mesh)
 
 
 def P_(*a):
