@@ -281,6 +281,9 @@ def compare_grid(rest: list[str]) -> int:
         invocation = runner.run_all(runs)
     except runner.Interrupted:
         status = 130
+    except KeyboardInterrupt:  # outside the learner's loop (building, warm-up, compiling)
+        print("interrupted: run the same command again to resume", file=sys.stderr)
+        status = 130
     except learner.ResumeError as e:
         return _fail(f"{e} (the study directory holds runs of another config: use another --out "
                      "or the same --set flags)")

@@ -193,6 +193,17 @@ def _markdown(grid, rows, env, plot_paths, *, out_dir, command, lag_mode, overri
                       [[_label(p["method"]), p["lag"], f"{p['lr']:g}",
                         stats.fmt_paired(p["best"]), stats.fmt_paired(p["final"])]
                        for p in pairs]), ""]
+    lagged = stats.lag_rows(rows)
+    if lagged:
+        lines += [f"## Each method against itself at lag {lagged[0]['from_lag']}", "",
+                  "Paired on the same seed and learning rate: what staleness costs each method.",
+                  "",
+                  stats.markdown_table(
+                      ["method", "lag", "lr", "Δ best pass@1 [95% CI]",
+                       "Δ final pass@1 [95% CI]"],
+                      [[_label(p["method"]), p["lag"], f"{p['lr']:g}",
+                        stats.fmt_paired(p["best"]), stats.fmt_paired(p["final"])]
+                       for p in lagged]), ""]
     if env is not None:
         b, s = _label(grid.baseline), _label(sat or "")
         lines += ["## Operating envelope (learning rate × lag)", "",

@@ -263,6 +263,23 @@ def paired_rows(rows: Sequence[Mapping[str, Any]], baseline: str,
     return out
 
 
+def lag_rows(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = ("best", "final")
+             ) -> list[dict[str, Any]]:
+    """Each method at each lag against itself at the smallest lag of the grid, on the same seed
+    and learning rate: does staleness hurt it?"""
+    out = []
+    lowest = min((int(r["lag"]) for r in rows), default=None)
+    for (method, mode, lag, lr) in cells(rows):
+        if lag == lowest:
+            continue
+        entry = {"method": method, "lag_mode": mode, "lag": lag, "lr": lr, "from_lag": lowest}
+        for key in keys:
+            entry[key] = paired(by_seed(rows, method, lag, lr, key, mode),
+                                by_seed(rows, method, lowest, lr, key, mode))
+        out.append(entry)
+    return out
+
+
 def envelope_map(rows: Sequence[Mapping[str, Any]], *, baseline: str = "grpo",
                  sat: str = "sat_grpo", eps: float = 0.2) -> list[dict[str, Any]]:
     """Per (lr, lag) cell: ``baseline``'s paired change of final pass@1 from lag 1 (same seed and

@@ -363,3 +363,14 @@ def test_cli_compare_help_names_both_uses(capsys):
     rc, out, _ = run_cli(capsys, "compare", "--help")
     assert rc == 0 and "RUN_DIR... | --grid NAME --out DIR" in out
     assert "--grid" in out and "--lrs" in out and "--set" in out
+
+
+def test_lag_rows_pair_each_method_with_its_lowest_lag():
+    rows = [{"method": m, "lag_mode": "broadcast", "lag": lag, "lr": 1e-4, "seed": s,
+             "final": f, "best": f}
+            for m, lag, s, f in [("a", 1, 0, 0.5), ("a", 1, 1, 0.6), ("a", 8, 0, 0.3),
+                                 ("a", 8, 1, 0.5), ("b", 8, 0, 0.9)]]
+    (a8, b8) = stats.lag_rows(rows)
+    assert (a8["method"], a8["lag"], a8["from_lag"]) == ("a", 8, 1)
+    assert a8["final"]["mean"] == pytest.approx(-0.15) and a8["final"]["n"] == 2
+    assert b8["final"]["n"] == 0  # b has no lag-1 run
