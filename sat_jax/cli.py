@@ -34,7 +34,8 @@ COMMANDS = {
     "compare": "overlay --key across runs (seeds as mean ± std): sat-jax compare RUN_DIR...; "
                "or run a study grid (methods × lags × learning rates × seeds, resumable) and "
                "write DIR/results.md, results.csv and plots: sat-jax compare --grid NAME --out "
-               "DIR",
+               "DIR (each method's config is configs/<method>.py's; --set KEY=VALUE changes "
+               "every run, --config is not read)",
 }
 _HELP_WORDS = ("-h", "--help", "-help", "--helpfull", "help")
 
@@ -250,6 +251,10 @@ def compare_grid(rest: list[str]) -> int:
         return _fail(f"compare --grid takes no run directories, got {rest}")
     if not _OUT.present:
         return _fail("compare --grid needs --out DIR (the study directory)")
+    if any(flags.FLAGS[n].present for n in flags.FLAGS if n == "config" or
+           n.startswith("config.")):
+        return _fail("compare --grid builds each method's config itself (configs/<method>.py); "
+                     "change fields with --set KEY=VALUE, not --config")
     out = _OUT.value
     if os.path.isfile(out):
         return _fail(f"--out {out!r} is a file; compare --grid needs a directory")

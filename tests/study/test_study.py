@@ -374,3 +374,9 @@ def test_lag_rows_pair_each_method_with_its_lowest_lag():
     assert (a8["method"], a8["lag"], a8["from_lag"]) == ("a", 8, 1)
     assert a8["final"]["mean"] == pytest.approx(-0.15) and a8["final"]["n"] == 2
     assert b8["final"]["n"] == 0  # b has no lag-1 run
+
+
+def test_cli_grid_refuses_config_flags(capsys, tmp_path, no_training):
+    rc, _, err = run_cli(capsys, "compare", "--grid=core", f"--out={tmp_path}",
+                         f"--config={cli.default_config_module.__file__}")
+    assert rc == 2 and "change fields with --set KEY=VALUE, not --config" in err
