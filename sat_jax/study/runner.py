@@ -69,17 +69,33 @@ def _clock(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
-def progress_line(done: int, total: int, elapsed: float, run_times: Sequence[float],
-                  remaining: int) -> str:
-    """``[3/12] elapsed 1m40s, ETA 4m50s (mean 33.4s per run over 3 runs)``: the estimate is the
-    mean time of the runs trained in this invocation (skipped runs take none) times the runs
-    left."""
+def program_group(config) -> str:
+    """Runs with equal groups share one compiled trainer step (``components.train_step_key``
+    varies with neither seed nor lag): the config without the fields a grid varies per cell."""
+    c = _plain(config)
+    for key in ("seed", "lag", "lag_mode", "workdir", "resume"):
+        c.pop(key, None)
+    return json.dumps(c, sort_keys=True)
+
+
+def estimate(cold: Sequence[float], warm: Sequence[float], cold_left: int,
+             warm_left: int) -> float | None:
+    """Seconds left: the runs that will compile a new trainer step (``cold``, the first of their
+    :func:`program_group`) at the mean time of the cold runs so far, the others at the mean of the
+    warm ones (each mean standing in for the other until it exists); None before any run."""
+    if not cold and not warm:
+        return None
+    mean_cold = sum(cold) / len(cold) if cold else sum(warm) / len(warm)
+    mean_warm = sum(warm) / len(warm) if warm else mean_cold
+    return cold_left * mean_cold + warm_left * mean_warm
+
+
+def progress_line(done: int, total: int, elapsed: float, eta: float | None) -> str:
+    """``[3/12] elapsed 1m40s, ETA 4m50s``."""
     head = f"[{done}/{total}] elapsed {_clock(elapsed)}"
-    if not run_times:
-        return head + (", ETA unknown (no run timed yet)" if remaining else "")
-    mean = sum(run_times) / len(run_times)
-    return head + (f", ETA {_clock(mean * remaining)}" if remaining else ", done") + (
-        f" (mean {mean:.1f}s per run over {len(run_times)} runs)")
+    if done == total:
+        return head + ", done"
+    return head + (", ETA unknown (no run timed yet)" if eta is None else f", ETA {_clock(eta)}")
 
 
 class Interrupted(Exception):
@@ -110,7 +126,13 @@ def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | N
     done = len(skipped)
     if skipped:
         log(f"[{done}/{total}] {len(skipped)} runs already finished, skipped")
-    times: list[float] = []
+    seen = set()
+    cold_flags = []  # per pending run: will it compile a new trainer step?
+    for _, config in pending:
+        group = program_group(config)
+        cold_flags.append(group not in seen)
+        seen.add(group)
+    cold, warm = [], []
     trained, run_seconds = [], {}
     for i, (spec, config) in enumerate(pending):
         t = time.perf_counter()
@@ -123,11 +145,13 @@ def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | N
                 "again to resume")
             raise Interrupted(spec.name)
         mark_finished(config, {**summary, "wall_seconds": seconds})
-        times.append(seconds)
+        (cold if cold_flags[i] else warm).append(seconds)
         trained.append(spec.name)
         run_seconds[spec.name] = seconds
         done += 1
-        log(f"{progress_line(done, total, time.perf_counter() - t0, times, len(pending) - i - 1)}"
-            f" | {spec.name} took {seconds:.1f}s")
+        left = cold_flags[i + 1:]
+        eta = estimate(cold, warm, sum(left), len(left) - sum(left))
+        log(f"{progress_line(done, total, time.perf_counter() - t0, eta)} | {spec.name} took "
+            f"{seconds:.1f}s")
     return {"trained": trained, "skipped": skipped, "seconds": time.perf_counter() - t0,
             "run_seconds": run_seconds}

@@ -121,7 +121,7 @@ def test_finished_runs_are_skipped_and_changed_ones_rerun(tmp_path):
     logs = []
     first = runner.run_all(runs, train=fake_train, log=logs.append)
     assert calls == [0, 1] and first["trained"] == [s.name for s, _ in runs]
-    assert "[2/2]" in logs[-1] and "ETA" not in logs[-1] and "done" in logs[-1]
+    assert logs[-1].startswith("[2/2] elapsed") and ", done |" in logs[-1]
     second = runner.run_all(runs, train=fake_train, log=logs.append)
     assert calls == [0, 1] and second["trained"] == [] and len(second["skipped"]) == 2
     # Asking for more steps makes a finished run unfinished (the learner resumes it).
@@ -149,10 +149,20 @@ def test_an_interrupted_run_stops_the_grid_unmarked(tmp_path):
     assert [runner.is_finished(c) for _, c in runs] == [True, False, False]
 
 
-def test_progress_line():
-    assert runner.progress_line(3, 12, 100.0, [30.0, 36.0], 9) == (
-        "[3/12] elapsed 1m40s, ETA 4m57s (mean 33.0s per run over 2 runs)")
-    assert "ETA unknown" in runner.progress_line(2, 12, 1.0, [], 10)
+def test_progress_line_and_estimate():
+    assert runner.progress_line(3, 12, 100.0, 297.0) == "[3/12] elapsed 1m40s, ETA 4m57s"
+    assert runner.progress_line(12, 12, 3700.0, 0.0) == "[12/12] elapsed 1h01m40s, done"
+    assert "ETA unknown" in runner.progress_line(2, 12, 1.0, None)
+    # Two cold runs (30 s, 40 s), one warm (2 s); left: one cold, three warm -> 35 + 3·2.
+    assert runner.estimate([30.0, 40.0], [2.0], 1, 3) == pytest.approx(41.0)
+    assert runner.estimate([30.0], [], 0, 2) == pytest.approx(60.0)
+    assert runner.estimate([], [], 1, 1) is None
+
+
+def test_program_groups_ignore_seed_and_lag(tmp_path):
+    g = study_grid.resolve("envelope", seeds=2, lags=(1, 8), lrs=(1e-4, 1e-3))
+    groups = {runner.program_group(c) for _, c in study_grid.expand(g, str(tmp_path))}
+    assert len(groups) == 2 * 2  # methods × learning rates
 
 
 # --------------------------------------------------------------------------- statistics
