@@ -283,7 +283,9 @@ def compare_grid(rest: list[str]) -> int:
     status, invocation = 0, None
     t0 = time.perf_counter()
     try:
-        invocation = runner.run_all(runs)
+        invocation = runner.run_all(runs, fatal=learner.ResumeError)
+        if invocation["failed"]:
+            status = 1
     except runner.Interrupted:
         status = 130
     except KeyboardInterrupt:  # outside the learner's loop (building, warm-up, compiling)
@@ -293,12 +295,17 @@ def compare_grid(rest: list[str]) -> int:
         return _fail(f"{e} (the study directory holds runs of another config: use another --out "
                      "or the same --set flags)")
     if invocation is None:
-        invocation = {"seconds": time.perf_counter() - t0, "trained": [], "skipped": []}
+        invocation = {"seconds": time.perf_counter() - t0, "trained": [], "skipped": [],
+                      "failed": []}
     written = report.write(out, grid, runs, command=command, lag_mode=_LAG_MODE.value,
                            overrides=_SET.value, invocation=invocation,
                            eps=sat_eps[0] if sat_eps else 0.2)
     for path in (written["md"], written["csv"], *written["plots"]):
         print(path)
+    if invocation["failed"]:
+        print(f"sat-jax: {len(invocation['failed'])} runs failed: "
+              f"{', '.join(invocation['failed'])} (tracebacks in their error.txt)",
+              file=sys.stderr)
     return status
 
 

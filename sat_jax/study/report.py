@@ -147,6 +147,8 @@ def _markdown(grid, rows, env, plot_paths, *, out_dir, command, lag_mode, overri
              f"- written: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
              f"- runs: {finished} finished of {total}"
              + (f" ({len(rows) - finished} partial)" if len(rows) > finished else ""),
+             *([f"- **failed in this invocation**: {', '.join(invocation['failed'])} "
+                "(tracebacks in `runs/<name>/error.txt`)"] if invocation.get("failed") else []),
              f"- wall time of this invocation: {_clock(invocation.get('seconds'))} "
              f"({len(invocation.get('trained', []))} runs trained, "
              f"{len(invocation.get('skipped', []))} already finished); sum of the finished runs' "

@@ -13,10 +13,12 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 DONE_FILE = "done.json"
+ERROR_FILE = "error.txt"
 
 
 def _plain(config) -> dict:
@@ -103,15 +105,17 @@ class Interrupted(Exception):
 
 
 def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | None = None,
-            log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)
-            ) -> dict[str, Any]:
+            log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+            fatal: type | tuple[type, ...] | None = None) -> dict[str, Any]:
     """Runs every (spec, config) in order, skipping finished runs.
 
     ``train(config) -> summary`` defaults to ``learner.train(config, quiet=True)``; tests pass a
-    fake. A summary with ``interrupted`` raises :class:`Interrupted` after logging.
+    fake. A summary with ``interrupted`` raises :class:`Interrupted` after logging. A run that
+    raises is recorded (its traceback in ``<workdir>/error.txt``) and the grid goes on, unless the
+    exception is one of ``fatal`` (re-raised).
 
-    Returns ``{"trained": [names], "skipped": [names], "seconds": wall seconds of this call,
-    "run_seconds": {name: seconds}}``.
+    Returns ``{"trained": [names], "skipped": [names], "failed": [names], "seconds": wall
+    seconds of this call, "run_seconds": {name: seconds}}``.
     """
     if train is None:
         from sat_jax.rl import learner
@@ -133,12 +137,28 @@ def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | N
         cold_flags.append(group not in seen)
         seen.add(group)
     cold, warm = [], []
-    trained, run_seconds = [], {}
+    trained, failed, run_seconds = [], [], {}
     for i, (spec, config) in enumerate(pending):
         t = time.perf_counter()
         resuming = os.path.isdir(os.path.join(config.workdir, "checkpoints"))
         log(f"[{done}/{total}] {'resuming' if resuming else 'running'} {spec.name}")
-        summary = train(config)
+        try:
+            summary = train(config)
+        except Exception as e:  # noqa: BLE001 - one broken run must not end a day-long grid
+            if fatal is not None and isinstance(e, fatal):
+                raise
+            seconds = time.perf_counter() - t
+            os.makedirs(config.workdir, exist_ok=True)
+            with open(os.path.join(config.workdir, ERROR_FILE), "w", encoding="utf-8") as f:
+                f.write(traceback.format_exc())
+            failed.append(spec.name)
+            done += 1
+            left = cold_flags[i + 1:]
+            eta = estimate(cold, warm, sum(left), len(left) - sum(left))
+            log(f"{progress_line(done, total, time.perf_counter() - t0, eta)} | {spec.name} "
+                f"FAILED after {seconds:.1f}s: {type(e).__name__}: {e} (traceback in "
+                f"{os.path.join(config.workdir, ERROR_FILE)}); continuing")
+            continue
         seconds = time.perf_counter() - t
         if summary.get("interrupted"):
             log(f"interrupted in {spec.name}; its checkpoint is saved: run the same command "
@@ -153,5 +173,5 @@ def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | N
         eta = estimate(cold, warm, sum(left), len(left) - sum(left))
         log(f"{progress_line(done, total, time.perf_counter() - t0, eta)} | {spec.name} took "
             f"{seconds:.1f}s")
-    return {"trained": trained, "skipped": skipped, "seconds": time.perf_counter() - t0,
-            "run_seconds": run_seconds}
+    return {"trained": trained, "skipped": skipped, "failed": failed,
+            "seconds": time.perf_counter() - t0, "run_seconds": run_seconds}

@@ -149,6 +149,27 @@ def test_an_interrupted_run_stops_the_grid_unmarked(tmp_path):
     assert [runner.is_finished(c) for _, c in runs] == [True, False, False]
 
 
+def test_a_failing_run_is_recorded_and_the_grid_goes_on(tmp_path):
+    g = study_grid.resolve("envelope", seeds=3, lags=(1,), lrs=(1e-4,), methods=("grpo",),
+                           baseline="grpo")
+    runs = study_grid.expand(g, str(tmp_path))
+
+    def fake_train(config):
+        if config.seed == 1:
+            raise FloatingPointError("nan loss")
+        return {"interrupted": False}
+
+    logs = []
+    result = runner.run_all(runs, train=fake_train, log=logs.append)
+    assert result["failed"] == [runs[1][0].name] and len(result["trained"]) == 2
+    assert "FAILED" in logs[3] and "FloatingPointError: nan loss" in logs[3]
+    error = open(os.path.join(runs[1][1].workdir, runner.ERROR_FILE)).read()
+    assert "Traceback" in error and "nan loss" in error
+    assert [runner.is_finished(c) for _, c in runs] == [True, False, True]
+    with pytest.raises(FloatingPointError):
+        runner.run_all(runs, train=fake_train, log=logs.append, fatal=FloatingPointError)
+
+
 def test_progress_line_and_estimate():
     assert runner.progress_line(3, 12, 100.0, 297.0) == "[3/12] elapsed 1m40s, ETA 4m57s"
     assert runner.progress_line(12, 12, 3700.0, 0.0) == "[12/12] elapsed 1h01m40s, done"
