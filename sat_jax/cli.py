@@ -282,8 +282,17 @@ def compare_grid(rest: list[str]) -> int:
     sat_eps = [c.loss.eps_high for s, c in runs if s.method.startswith("sat_")]
     status, invocation = 0, None
     t0 = time.perf_counter()
+
+    def write(progress, plots=True):
+        return report.write(out, grid, runs, command=command, lag_mode=_LAG_MODE.value,
+                            overrides=_SET.value, invocation=progress,
+                            eps=sat_eps[0] if sat_eps else 0.2, plots=plots)
+
     try:
-        invocation = runner.run_all(runs, fatal=learner.ResumeError)
+        # results.md and results.csv after every run (plots at the end): a long grid can be read
+        # while it runs.
+        invocation = runner.run_all(runs, fatal=learner.ResumeError,
+                                    after_run=lambda progress: write(progress, plots=False))
         if invocation["failed"]:
             status = 1
     except runner.Interrupted:
@@ -297,9 +306,7 @@ def compare_grid(rest: list[str]) -> int:
     if invocation is None:
         invocation = {"seconds": time.perf_counter() - t0, "trained": [], "skipped": [],
                       "failed": []}
-    written = report.write(out, grid, runs, command=command, lag_mode=_LAG_MODE.value,
-                           overrides=_SET.value, invocation=invocation,
-                           eps=sat_eps[0] if sat_eps else 0.2)
+    written = write(invocation)
     for path in (written["md"], written["csv"], *written["plots"]):
         print(path)
     if invocation["failed"]:

@@ -76,19 +76,22 @@ def _clock(seconds: float | None) -> str:
 
 def write(out_dir: str, grid: Grid, runs: Sequence[tuple[Any, Any]], *, command: str,
           lag_mode: str, overrides: Sequence[str], invocation: dict[str, Any] | None = None,
-          rule: stats.CollapseRule = stats.DEFAULT_RULE, eps: float = 0.2) -> dict[str, Any]:
-    """Writes ``results.csv``, ``results.md`` and the plots; returns their paths and the rows."""
+          rule: stats.CollapseRule = stats.DEFAULT_RULE, eps: float = 0.2,
+          plots: bool = True) -> dict[str, Any]:
+    """Writes ``results.csv``, ``results.md`` and (with ``plots``) the plots; returns their paths
+    and the rows."""
     rows, traces = collect(runs, out_dir=out_dir, rule=rule)
     os.makedirs(out_dir, exist_ok=True)
     csv_path = os.path.join(out_dir, "results.csv")
     stats.write_csv(csv_path, rows, CSV_COLUMNS)
-    plot_paths = _plots(out_dir, grid, traces)
+    plot_paths = _plots(out_dir, grid, traces) if plots else []
     env = None
     sat = _sat_partner(grid)
     if grid.name == "envelope" or (grid.lrs and len(grid.lrs) > 1 and sat):
         env = stats.envelope_map(rows, baseline=grid.baseline, sat=sat, eps=eps)
         path = study_plots.plot_envelope(env, os.path.join(out_dir, "plots", "envelope.png"),
-                                         titles=_envelope_titles(grid.baseline, sat))
+                                         titles=_envelope_titles(grid.baseline, sat)) \
+            if plots else None
         if path:
             plot_paths.append(str(path))
     md = _markdown(grid, rows, env, plot_paths, out_dir=out_dir, command=command,

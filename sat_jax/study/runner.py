@@ -106,13 +106,15 @@ class Interrupted(Exception):
 
 def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | None = None,
             log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
-            fatal: type | tuple[type, ...] | None = None) -> dict[str, Any]:
+            fatal: type | tuple[type, ...] | None = None,
+            after_run: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Runs every (spec, config) in order, skipping finished runs.
 
     ``train(config) -> summary`` defaults to ``learner.train(config, quiet=True)``; tests pass a
     fake. A summary with ``interrupted`` raises :class:`Interrupted` after logging. A run that
     raises is recorded (its traceback in ``<workdir>/error.txt``) and the grid goes on, unless the
-    exception is one of ``fatal`` (re-raised).
+    exception is one of ``fatal`` (re-raised). ``after_run(progress)`` is called after each run
+    with the dict this function returns, so far (the CLI rewrites results.md there).
 
     Returns ``{"trained": [names], "skipped": [names], "failed": [names], "seconds": wall
     seconds of this call, "run_seconds": {name: seconds}}``.
@@ -138,6 +140,10 @@ def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | N
         seen.add(group)
     cold, warm = [], []
     trained, failed, run_seconds = [], [], {}
+
+    def so_far():
+        return {"trained": trained, "skipped": skipped, "failed": failed,
+                "seconds": time.perf_counter() - t0, "run_seconds": run_seconds}
     for i, (spec, config) in enumerate(pending):
         t = time.perf_counter()
         resuming = os.path.isdir(os.path.join(config.workdir, "checkpoints"))
@@ -158,6 +164,8 @@ def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | N
             log(f"{progress_line(done, total, time.perf_counter() - t0, eta)} | {spec.name} "
                 f"FAILED after {seconds:.1f}s: {type(e).__name__}: {e} (traceback in "
                 f"{os.path.join(config.workdir, ERROR_FILE)}); continuing")
+            if after_run is not None:
+                after_run(so_far())
             continue
         seconds = time.perf_counter() - t
         if summary.get("interrupted"):
@@ -173,5 +181,6 @@ def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | N
         eta = estimate(cold, warm, sum(left), len(left) - sum(left))
         log(f"{progress_line(done, total, time.perf_counter() - t0, eta)} | {spec.name} took "
             f"{seconds:.1f}s")
-    return {"trained": trained, "skipped": skipped, "failed": failed,
-            "seconds": time.perf_counter() - t0, "run_seconds": run_seconds}
+        if after_run is not None:
+            after_run(so_far())
+    return so_far()

@@ -159,8 +159,10 @@ def test_a_failing_run_is_recorded_and_the_grid_goes_on(tmp_path):
             raise FloatingPointError("nan loss")
         return {"interrupted": False}
 
-    logs = []
-    result = runner.run_all(runs, train=fake_train, log=logs.append)
+    logs, progress = [], []
+    result = runner.run_all(runs, train=fake_train, log=logs.append,
+                            after_run=lambda p: progress.append(len(p["trained"] + p["failed"])))
+    assert progress == [1, 2, 3]
     assert result["failed"] == [runs[1][0].name] and len(result["trained"]) == 2
     assert "FAILED" in logs[3] and "FloatingPointError: nan loss" in logs[3]
     error = open(os.path.join(runs[1][1].workdir, runner.ERROR_FILE)).read()
