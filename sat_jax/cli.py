@@ -274,7 +274,6 @@ def compare_grid(rest: list[str]) -> int:
                 raise ValueError(f"run {spec.name}: {e}") from None
     except ValueError as e:
         return _fail(str(e))
-    components.SHARE_TRAIN_STEPS = _SHARE.value
     command = "sat-jax " + shlex.join(sys.argv[1:])
     print(f"study {grid.name}: {len(runs)} runs ({len(grid.methods)} methods × "
           f"{len(grid.lags)} lags × {len(grid.lrs or (None,))} learning rates × {grid.seeds} "
@@ -283,11 +282,15 @@ def compare_grid(rest: list[str]) -> int:
     status, invocation = 0, None
     t0 = time.perf_counter()
 
+    last = {"seconds": 0.0, "trained": [], "skipped": [], "failed": []}
+
     def write(progress, plots=True):
+        last.update(progress)
         return report.write(out, grid, runs, command=command, lag_mode=_LAG_MODE.value,
                             overrides=_SET.value, invocation=progress,
                             eps=sat_eps[0] if sat_eps else 0.2, plots=plots)
 
+    shared, components.SHARE_TRAIN_STEPS = components.SHARE_TRAIN_STEPS, _SHARE.value
     try:
         # results.md and results.csv after every run (plots at the end): a long grid can be read
         # while it runs.
@@ -303,9 +306,10 @@ def compare_grid(rest: list[str]) -> int:
     except learner.ResumeError as e:
         return _fail(f"{e} (the study directory holds runs of another config: use another --out "
                      "or the same --set flags)")
-    if invocation is None:
-        invocation = {"seconds": time.perf_counter() - t0, "trained": [], "skipped": [],
-                      "failed": []}
+    finally:
+        components.SHARE_TRAIN_STEPS = shared
+    if invocation is None:  # interrupted: what the runs before it did
+        invocation = {**last, "seconds": time.perf_counter() - t0}
     written = write(invocation)
     for path in (written["md"], written["csv"], *written["plots"]):
         print(path)

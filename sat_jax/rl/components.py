@@ -151,9 +151,10 @@ def build(config, log=lambda msg: None) -> Components:
     )
 
 
-#: Whether :func:`shared_train_step` reuses jitted steps across runs of one process (a study's
-#: grid); False builds (and so compiles) a fresh step per run, as before the cache existed.
-SHARE_TRAIN_STEPS = True
+#: Whether :func:`shared_train_step` reuses jitted steps across runs of one process. Off by
+#: default (each run builds, and so compiles, its own step); ``sat-jax compare --grid`` turns it on
+#: for the runs of a grid (``--share_compilation``).
+SHARE_TRAIN_STEPS = False
 #: Most jitted steps kept alive at once (each holds its compiled executables).
 TRAIN_STEP_CACHE_SIZE = 8
 _TRAIN_STEPS: collections.OrderedDict = collections.OrderedDict()

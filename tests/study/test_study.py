@@ -318,6 +318,7 @@ def test_train_step_cache_key(monkeypatch):
     monkeypatch.setattr(components.trainer, "make_train_step",
                         lambda *a, **k: built.append(a) or object())
     monkeypatch.setattr(components, "_TRAIN_STEPS", type(components._TRAIN_STEPS)())
+    monkeypatch.setattr(components, "SHARE_TRAIN_STEPS", True)
     parts = types.SimpleNamespace(model_cfg="model", spec="spec", mesh="mesh", graphdef="g",
                                   optimizer="opt")
 

@@ -61,5 +61,6 @@ def test_toy_grid_trains_shares_the_step_and_resumes(tmp_path, monkeypatch, caps
 
 @pytest.fixture(autouse=True)
 def _restore_sharing():
+    saved = components.SHARE_TRAIN_STEPS
     yield
-    components.SHARE_TRAIN_STEPS = True
+    components.SHARE_TRAIN_STEPS = saved
