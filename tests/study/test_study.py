@@ -414,3 +414,15 @@ def test_cli_grid_refuses_config_flags(capsys, tmp_path, no_training):
     rc, _, err = run_cli(capsys, "compare", "--grid=core", f"--out={tmp_path}",
                          f"--config={cli.default_config_module.__file__}")
     assert rc == 2 and "change fields with --set KEY=VALUE, not --config" in err
+
+
+def test_cli_compare_run_dirs_still_overlays(capsys, tmp_path):
+    dirs = []
+    for seed in range(2):
+        d = tmp_path / f"sat-seed{seed}"
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(
+            json.dumps(r) + "\n" for r in records({0: 0.2, 2: 0.3 + 0.1 * seed}, [0.1, 0.2])))
+        dirs.append(str(d))
+    rc, out, _ = run_cli(capsys, "compare", *dirs, f"--out={tmp_path / 'c.png'}")
+    assert rc == 0 and out.strip() == str(tmp_path / "c.png") and (tmp_path / "c.png").is_file()
