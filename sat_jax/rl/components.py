@@ -3,6 +3,7 @@ rollout engine, loss, optimizer and mesh. Shared by training and ``sat-jax eval`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import time
@@ -148,3 +149,50 @@ def build(config, log=lambda msg: None) -> Components:
         eval_examples=eval_examples, spec=loss_spec(config), optimizer=optimizer,
         sft_info=sft_info, rollout_device=rollout_device,
     )
+
+
+#: Whether :func:`shared_train_step` reuses jitted steps across runs of one process. Off by
+#: default (each run builds, and so compiles, its own step); ``sat-jax compare --grid`` turns it on
+#: for the runs of a grid (``--share_compilation``).
+SHARE_TRAIN_STEPS = False
+#: Most jitted steps kept alive at once (each holds its compiled executables).
+TRAIN_STEP_CACHE_SIZE = 8
+_TRAIN_STEPS: collections.OrderedDict = collections.OrderedDict()
+
+
+def train_step_key(config, parts: Components, *, donate: bool = True) -> tuple:
+    """Everything that changes the trainer step's program: the model (``ModelConfig`` fixes the
+    graph), the optimizer's settings (the learning rate is a constant in the program), the loss
+    spec, the prompt width, the mesh and donation. Seed, lag, lag mode, step count (unless a
+    cosine schedule reads it) and the data order do not enter it, so the seeds and lags of one
+    method share one compiled step."""
+    o = config.optim
+    total = config.num_steps * o.updates_per_batch * o.num_minibatches
+    optim = (float(o.learning_rate), float(o.b1), float(o.b2), float(o.grad_clip),
+             float(o.weight_decay), int(o.warmup_steps), str(o.schedule),
+             total if o.schedule == "cosine" else None)
+    return (parts.model_cfg, optim, parts.spec, int(config.data.max_prompt_len), parts.mesh,
+            bool(donate))
+
+
+def shared_train_step(config, parts: Components, *, donate: bool = True):
+    """``trainer.make_train_step`` for this run, reused from an earlier run of this process with
+    the same :func:`train_step_key` (so jax.jit's cache, and the compiled program, are shared);
+    a new step otherwise, or always when :data:`SHARE_TRAIN_STEPS` is False. The step is a pure
+    function of its inputs, so a run stepping another run's jitted step computes the same
+    updates (the optimizer it closes over was built from equal settings)."""
+    def build_step():
+        return trainer.make_train_step(parts.graphdef, parts.optimizer, parts.spec,
+                                       prompt_width=config.data.max_prompt_len,
+                                       mesh=parts.mesh, donate=donate)
+
+    if not SHARE_TRAIN_STEPS:
+        return build_step()
+    key = train_step_key(config, parts, donate=donate)
+    if key in _TRAIN_STEPS:
+        _TRAIN_STEPS.move_to_end(key)
+        return _TRAIN_STEPS[key]
+    step = _TRAIN_STEPS[key] = build_step()
+    while len(_TRAIN_STEPS) > TRAIN_STEP_CACHE_SIZE:
+        _TRAIN_STEPS.popitem(last=False)
+    return step

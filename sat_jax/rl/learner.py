@@ -34,7 +34,7 @@ from sat_jax.metrics import METRICS_FILE, RunLogger
 from sat_jax.plots import plot_run
 from sat_jax.progress import Progress
 from sat_jax.rl import rng, trainer
-from sat_jax.rl.components import Components, build, build_sources
+from sat_jax.rl.components import Components, build, build_sources, shared_train_step
 from sat_jax.rl.config import changed_fields, loss_spec, plain, validate
 from sat_jax.rl.controls import StopFlag, Timer
 from sat_jax.rl.lag import LagSchedule, lag_stats
@@ -146,9 +146,8 @@ class _Session:
         self.config, self.ckpt, self.workdir, self.log = config, ckpt, workdir, log
         self.primary = parallel.is_primary()
         self.parts = parts = build(config, log)
-        self.train_step = trainer.make_train_step(parts.graphdef, parts.optimizer, parts.spec,
-                                                  prompt_width=config.data.max_prompt_len,
-                                                  mesh=parts.mesh, donate=True)
+        # Reused from an earlier run of this process with the same program (a study's grid).
+        self.train_step = shared_train_step(config, parts, donate=True)
         self.ref_params = parts.params
         # Every leaf on the mesh in the layout the step returns (optimizer state created sharded,
         # step counter replicated): an uncommitted input at step 1 would make step 2 a cache miss.

@@ -1,4 +1,4 @@
-"""scripts/study.py's config overrides (the study itself is a long run, not a test)."""
+"""scripts/study.py: its config overrides and the sat-jax compare --grid command line it runs."""
 
 import importlib.util
 import os
@@ -33,3 +33,15 @@ def test_override_parses_with_the_field_type(study):
 def test_override_rejects_bad_input(study, item, message):
     with pytest.raises(SystemExit, match=message):
         study._override(default_config.get_config(), item)
+
+
+def test_arguments_become_a_compare_grid_command_line(study):
+    args = study.argparse.Namespace(configs="sat_gspo_r3,grpo", seeds="0,1,2", lag=8,
+                                    lag_mode="fixed", steps=50, out="runs/s",
+                                    set=["optim.learning_rate=3e-4"])
+    assert study.argv(args) == [
+        "compare", "--grid=core", "--methods=sat_gspo_r3,grpo", "--baseline=grpo", "--seeds=3",
+        "--lags=8", "--lag_mode=fixed", "--out=runs/s", "--set=num_steps=50",
+        "--set=optim.learning_rate=3e-4"]
+    with pytest.raises(SystemExit, match="count or 0,1"):
+        study._seed_count("1,2")

@@ -1,0 +1,186 @@
+"""Running a grid: each run a normal training run in ``DIR/runs/<name>/``, finished runs skipped,
+interrupted ones resumed from their checkpoint, with a progress line and a time estimate.
+
+A run is *finished* when ``DIR/runs/<name>/done.json`` exists and records the same config (the
+runner writes it after the learner returns from a run that reached ``num_steps``); anything else
+is handed to the learner, which resumes from the latest checkpoint (``config.resume = True``) or
+refuses a workdir holding another config (``learner.ResumeError``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+DONE_FILE = "done.json"
+ERROR_FILE = "error.txt"
+
+
+def _plain(config) -> dict:
+    from sat_jax.rl.config import plain
+
+    return json.loads(json.dumps(plain(config), default=str))
+
+
+def is_finished(config) -> bool:
+    """Whether ``config``'s run directory holds a finished run of this very config."""
+    path = os.path.join(config.workdir, DONE_FILE)
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            done = json.load(f)
+    except (OSError, ValueError):
+        return False
+    from sat_jax.rl.config import changed_fields
+
+    stored = done.get("config") or {}
+    # changed_fields ignores the fields a resume may change (workdir, logging, ...) but num_steps
+    # is among them: a run asked to go further is not finished.
+    return not changed_fields(stored, config) and stored.get("num_steps") == config.num_steps
+
+
+def mark_finished(config, summary: dict[str, Any]) -> None:
+    os.makedirs(config.workdir, exist_ok=True)
+    record = {"config": _plain(config), "wall_seconds": summary.get("wall_seconds"),
+              "end_step": summary.get("end_step"), "final_eval": summary.get("final_eval")}
+    tmp = os.path.join(config.workdir, DONE_FILE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, os.path.join(config.workdir, DONE_FILE))
+
+
+def run_wall_seconds(workdir: str) -> float | None:
+    """The wall seconds recorded for a finished run (its last session), None if not finished."""
+    try:
+        with open(os.path.join(workdir, DONE_FILE), encoding="utf-8") as f:
+            return json.load(f).get("wall_seconds")
+    except (OSError, ValueError):
+        return None
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def program_group(config) -> str:
+    """Runs with equal groups share one compiled trainer step (``components.train_step_key``
+    varies with neither seed nor lag): the config without the fields a grid varies per cell."""
+    c = _plain(config)
+    for key in ("seed", "lag", "lag_mode", "workdir", "resume"):
+        c.pop(key, None)
+    return json.dumps(c, sort_keys=True)
+
+
+def estimate(cold: Sequence[float], warm: Sequence[float], cold_left: int,
+             warm_left: int) -> float | None:
+    """Seconds left: the runs that will compile a new trainer step (``cold``, the first of their
+    :func:`program_group`) at the mean time of the cold runs so far, the others at the mean of the
+    warm ones (each mean standing in for the other until it exists); None before any run."""
+    if not cold and not warm:
+        return None
+    mean_cold = sum(cold) / len(cold) if cold else sum(warm) / len(warm)
+    mean_warm = sum(warm) / len(warm) if warm else mean_cold
+    return cold_left * mean_cold + warm_left * mean_warm
+
+
+def progress_line(done: int, total: int, elapsed: float, eta: float | None) -> str:
+    """``[3/12] elapsed 1m40s, ETA 4m50s``."""
+    head = f"[{done}/{total}] elapsed {_clock(elapsed)}"
+    if done == total:
+        return head + ", done"
+    return head + (", ETA unknown (no run timed yet)" if eta is None else f", ETA {_clock(eta)}")
+
+
+class Interrupted(Exception):
+    """A run stopped on Ctrl-C (its checkpoint saved); the grid stops there."""
+
+
+def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | None = None,
+            log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+            fatal: type | tuple[type, ...] | None = None,
+            after_run: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Runs every (spec, config) in order, skipping finished runs.
+
+    ``train(config) -> summary`` defaults to ``learner.train(config, quiet=True)``; tests pass a
+    fake. A summary with ``interrupted`` raises :class:`Interrupted` after logging. A run that
+    raises is recorded (its traceback in ``<workdir>/error.txt``) and the grid goes on, unless the
+    exception is one of ``fatal`` (re-raised). ``after_run(progress)`` is called after each run
+    with the dict this function returns, so far (the CLI rewrites results.md there).
+
+    Returns ``{"trained": [names], "skipped": [names], "failed": [names], "seconds": wall
+    seconds of this call, "run_seconds": {name: seconds}}``.
+    """
+    if train is None:
+        from sat_jax.rl import learner
+
+        def train(config):
+            return learner.train(config, quiet=True)
+
+    t0 = time.perf_counter()
+    pending = [(s, c) for s, c in runs if not is_finished(c)]
+    skipped = [s.name for s, c in runs if is_finished(c)]
+    total = len(runs)
+    done = len(skipped)
+    if skipped:
+        log(f"[{done}/{total}] {len(skipped)} runs already finished, skipped")
+    seen = set()
+    cold_flags = []  # per pending run: will it compile a new trainer step?
+    for _, config in pending:
+        group = program_group(config)
+        cold_flags.append(group not in seen)
+        seen.add(group)
+    cold, warm = [], []
+    trained, failed, run_seconds = [], [], {}
+
+    def so_far():
+        return {"trained": trained, "skipped": skipped, "failed": failed,
+                "seconds": time.perf_counter() - t0, "run_seconds": run_seconds}
+    for i, (spec, config) in enumerate(pending):
+        t = time.perf_counter()
+        resuming = os.path.isdir(os.path.join(config.workdir, "checkpoints"))
+        log(f"[{done}/{total}] {'resuming' if resuming else 'running'} {spec.name}")
+        try:
+            summary = train(config)
+        except Exception as e:  # noqa: BLE001 - one broken run must not end a day-long grid
+            if fatal is not None and isinstance(e, fatal):
+                raise
+            seconds = time.perf_counter() - t
+            os.makedirs(config.workdir, exist_ok=True)
+            with open(os.path.join(config.workdir, ERROR_FILE), "w", encoding="utf-8") as f:
+                f.write(traceback.format_exc())
+            failed.append(spec.name)
+            done += 1
+            left = cold_flags[i + 1:]
+            eta = estimate(cold, warm, sum(left), len(left) - sum(left))
+            log(f"{progress_line(done, total, time.perf_counter() - t0, eta)} | {spec.name} "
+                f"FAILED after {seconds:.1f}s: {type(e).__name__}: {e} (traceback in "
+                f"{os.path.join(config.workdir, ERROR_FILE)}); continuing")
+            if after_run is not None:
+                after_run(so_far())
+            continue
+        seconds = time.perf_counter() - t
+        if summary.get("interrupted"):
+            log(f"interrupted in {spec.name}; its checkpoint is saved: run the same command "
+                "again to resume")
+            raise Interrupted(spec.name)
+        mark_finished(config, {**summary, "wall_seconds": seconds})
+        (cold if cold_flags[i] else warm).append(seconds)
+        trained.append(spec.name)
+        run_seconds[spec.name] = seconds
+        done += 1
+        left = cold_flags[i + 1:]
+        eta = estimate(cold, warm, sum(left), len(left) - sum(left))
+        log(f"{progress_line(done, total, time.perf_counter() - t0, eta)} | {spec.name} took "
+            f"{seconds:.1f}s")
+        if after_run is not None:
+            after_run(so_far())
+    return so_far()

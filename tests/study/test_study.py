@@ -1,0 +1,428 @@
+"""sat_jax.study on synthetic metrics and fake runs (nothing here trains): grid expansion,
+config overrides, resume (a finished run is not re-run), the collapse rule, Student's t and the
+paired statistics against hand-computed cases, the tables and results files, the shared train
+step's key, and the command line's errors (exit 2 before anything runs)."""
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import sys
+import types
+
+import pytest
+from absl import flags
+
+from sat_jax import cli, default_config
+from sat_jax.rl import components
+from sat_jax.study import grid as study_grid
+from sat_jax.study import report, runner, stats
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# --------------------------------------------------------------------------- grid expansion
+
+def test_paper_core_envelope_sizes_and_names(tmp_path):
+    paper = study_grid.expand(study_grid.resolve("paper"), str(tmp_path))
+    assert len(paper) == 13 * 2 * 3  # Table 1's 13 methods × lags 1, 8 × 3 seeds
+    names = [spec.name for spec, _ in paper]
+    assert len(set(names)) == len(names)
+    assert names[0] == "grpo-broadcast1-lr0.0001-seed0"
+    env = study_grid.resolve("envelope", seeds=2, lags=(1, 4), lrs=(1e-4, 1e-3))
+    runs = study_grid.expand(env, str(tmp_path), lag_mode="fixed")
+    assert len(runs) == 2 * 2 * 2 * 2
+    spec, c = runs[3]  # grpo, lag 1, lr 1e-3, seed 1 (seed innermost, then lr, lag, method)
+    assert (spec.method, spec.lag, spec.lr, spec.seed) == ("grpo", 1, 1e-3, 1)
+    assert (c.optim.learning_rate, c.lag, c.seed, c.lag_mode) == (1e-3, 1, 1, "fixed")
+    assert c.workdir == os.path.join(str(tmp_path), "runs", "grpo-fixed1-lr0.001-seed1")
+    assert c.resume is True
+    core = {spec.method for spec, _ in study_grid.expand(study_grid.resolve("core"), "x")}
+    assert core == {"grpo_r3", "gspo_r3", "dppo", "sat_grpo_r3", "sat_gspo_r3"}
+
+
+@pytest.mark.parametrize("name", [n for n in study_grid.METHODS
+                                  if os.path.exists(os.path.join(ROOT, "configs", n + ".py"))])
+def test_methods_equal_the_config_files(name):
+    spec = importlib.util.spec_from_file_location("c", os.path.join(ROOT, "configs", name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert study_grid.method_config(name).to_dict() == module.get_config().to_dict()
+
+
+def test_overrides_apply_to_every_run_and_grid_fields_are_refused(tmp_path):
+    g = study_grid.resolve("core", seeds=1, lags=(8,))
+    runs = study_grid.expand(g, str(tmp_path), overrides=["num_steps=7", "optim.learning_rate=3e-4",
+                                                          "log.plots=false"])
+    assert {(c.num_steps, c.optim.learning_rate, c.log.plots) for _, c in runs} == {(7, 3e-4,
+                                                                                    False)}
+    assert runs[0][0].name == "grpo_r3-broadcast8-lr0.0003-seed0"
+    with pytest.raises(ValueError, match="--set lag: the grid sets this field"):
+        study_grid.expand(g, str(tmp_path), overrides=["lag=3"])
+    with pytest.raises(ValueError, match="use --lrs"):
+        study_grid.expand(study_grid.resolve("envelope"), str(tmp_path),
+                          overrides=["optim.learning_rate=1e-3"])
+
+
+@pytest.mark.parametrize("item,message", [
+    ("optim.nonexistent=1", "unknown config field 'optim.nonexistent'"),
+    ("nope.lr=1", "unknown config field 'nope.lr'"),
+    ("optim=1", "unknown config field 'optim'"),
+    ("optim.learning_rate", "KEY=VALUE"),
+    ("rollout.group_size=2.5", "rollout.group_size: expected a int, got '2.5'"),
+    ("log.plots=maybe", "log.plots: expected true or false"),
+])
+def test_override_rejects_bad_input(item, message):
+    with pytest.raises(ValueError, match=message):
+        study_grid.apply_override(default_config.get_config(), item)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(grid="nope"), "unknown grid 'nope'"),
+    (dict(grid="core", seeds=0), "--seeds must be >= 1"),
+    (dict(grid="core", baseline="grpo"), "--baseline 'grpo' is not one of"),
+    (dict(grid="core", methods=("grpo", "nope")), "unknown method"),
+])
+def test_resolve_rejects_bad_choices(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        study_grid.resolve(kwargs.pop("grid"), **kwargs)
+
+
+@pytest.mark.parametrize("text,message", [("1,x", "comma-separated list of integers"),
+                                          ("", "comma-separated list"), ("1,-2", ">= 0"),
+                                          ("1,1", "repeated")])
+def test_parse_ints_errors(text, message):
+    with pytest.raises(ValueError, match=message):
+        study_grid.parse_ints(text, "--lags")
+
+
+def test_parse_lists():
+    assert study_grid.parse_ints(" 1, 8 ", "--lags") == (1, 8)
+    assert study_grid.parse_floats("1e-4,3e-4", "--lrs") == (1e-4, 3e-4)
+    for bad in ("0", "-1e-4", "x", "nan"):
+        with pytest.raises(ValueError, match="--lrs"):
+            study_grid.parse_floats(bad, "--lrs")
+
+
+# --------------------------------------------------------------------------- resume
+
+def test_finished_runs_are_skipped_and_changed_ones_rerun(tmp_path):
+    g = study_grid.resolve("envelope", seeds=2, lags=(1,), lrs=(1e-4,), methods=("grpo",),
+                           baseline="grpo")
+    runs = study_grid.expand(g, str(tmp_path))
+    calls = []
+
+    def fake_train(config):
+        calls.append(config.seed)
+        os.makedirs(config.workdir, exist_ok=True)
+        return {"interrupted": False, "end_step": config.num_steps, "wall_seconds": 0.1}
+
+    logs = []
+    first = runner.run_all(runs, train=fake_train, log=logs.append)
+    assert calls == [0, 1] and first["trained"] == [s.name for s, _ in runs]
+    assert logs[-1].startswith("[2/2] elapsed") and ", done |" in logs[-1]
+    second = runner.run_all(runs, train=fake_train, log=logs.append)
+    assert calls == [0, 1] and second["trained"] == [] and len(second["skipped"]) == 2
+    # Asking for more steps makes a finished run unfinished (the learner resumes it).
+    longer = study_grid.expand(g, str(tmp_path), overrides=["num_steps=500"])
+    runner.run_all(longer, train=fake_train, log=logs.append)
+    assert calls == [0, 1, 0, 1]
+    # A change outside the resumable fields too.
+    other = study_grid.expand(g, str(tmp_path), overrides=["loss.eps_high=0.3"])
+    assert not any(runner.is_finished(c) for _, c in other)
+
+
+def test_an_interrupted_run_stops_the_grid_unmarked(tmp_path):
+    g = study_grid.resolve("envelope", seeds=3, lags=(1,), lrs=(1e-4,), methods=("grpo",),
+                           baseline="grpo")
+    runs = study_grid.expand(g, str(tmp_path))
+    calls = []
+
+    def fake_train(config):
+        calls.append(config.seed)
+        return {"interrupted": config.seed == 1}
+
+    with pytest.raises(runner.Interrupted):
+        runner.run_all(runs, train=fake_train, log=lambda m: None)
+    assert calls == [0, 1]
+    assert [runner.is_finished(c) for _, c in runs] == [True, False, False]
+
+
+def test_a_failing_run_is_recorded_and_the_grid_goes_on(tmp_path):
+    g = study_grid.resolve("envelope", seeds=3, lags=(1,), lrs=(1e-4,), methods=("grpo",),
+                           baseline="grpo")
+    runs = study_grid.expand(g, str(tmp_path))
+
+    def fake_train(config):
+        if config.seed == 1:
+            raise FloatingPointError("nan loss")
+        return {"interrupted": False}
+
+    logs, progress = [], []
+    result = runner.run_all(runs, train=fake_train, log=logs.append,
+                            after_run=lambda p: progress.append(len(p["trained"] + p["failed"])))
+    assert progress == [1, 2, 3]
+    assert result["failed"] == [runs[1][0].name] and len(result["trained"]) == 2
+    assert "FAILED" in logs[3] and "FloatingPointError: nan loss" in logs[3]
+    error = open(os.path.join(runs[1][1].workdir, runner.ERROR_FILE)).read()
+    assert "Traceback" in error and "nan loss" in error
+    assert [runner.is_finished(c) for _, c in runs] == [True, False, True]
+    with pytest.raises(FloatingPointError):
+        runner.run_all(runs, train=fake_train, log=logs.append, fatal=FloatingPointError)
+
+
+def test_progress_line_and_estimate():
+    assert runner.progress_line(3, 12, 100.0, 297.0) == "[3/12] elapsed 1m40s, ETA 4m57s"
+    assert runner.progress_line(12, 12, 3700.0, 0.0) == "[12/12] elapsed 1h01m40s, done"
+    assert "ETA unknown" in runner.progress_line(2, 12, 1.0, None)
+    # Two cold runs (30 s, 40 s), one warm (2 s); left: one cold, three warm -> 35 + 3·2.
+    assert runner.estimate([30.0, 40.0], [2.0], 1, 3) == pytest.approx(41.0)
+    assert runner.estimate([30.0], [], 0, 2) == pytest.approx(60.0)
+    assert runner.estimate([], [], 1, 1) is None
+
+
+def test_program_groups_ignore_seed_and_lag(tmp_path):
+    g = study_grid.resolve("envelope", seeds=2, lags=(1, 8), lrs=(1e-4, 1e-3))
+    groups = {runner.program_group(c) for _, c in study_grid.expand(g, str(tmp_path))}
+    assert len(groups) == 2 * 2  # methods × learning rates
+
+
+# --------------------------------------------------------------------------- statistics
+
+@pytest.mark.parametrize("p,df,expected", [(0.975, 4, 2.7764), (0.975, 1, 12.7062),
+                                           (0.975, 2, 4.3027), (0.975, 30, 2.0423),
+                                           (0.995, 10, 3.1693), (0.95, 5, 2.0150),
+                                           (0.5, 3, 0.0), (0.025, 4, -2.7764)])
+def test_t_quantile_against_tables(p, df, expected):
+    assert stats.t_quantile(p, df) == pytest.approx(expected, abs=1e-4)
+
+
+def test_t_quantile_rejects_bad_input():
+    with pytest.raises(ValueError, match="p must be in"):
+        stats.t_quantile(1.0, 3)
+    with pytest.raises(ValueError, match="df must be"):
+        stats.t_quantile(0.9, 0)
+
+
+def test_paired_hand_computed():
+    # d = (1, 1, 3): mean 5/3, sd = sqrt(((2/3)² + (2/3)² + (4/3)²) / 2) = sqrt(4/3),
+    # half width = t_{0.975,2} · sd / √3 = 4.302653 · 0.666667 = 2.868435.
+    p = stats.paired({0: 1.0, 1: 2.0, 2: 4.0, 7: 1.0}, {0: 0.0, 1: 1.0, 2: 1.0, 3: 9.0})
+    assert p["n"] == 3 and p["seeds"] == [0, 1, 2] and p["wins"] == 3
+    assert p["mean"] == pytest.approx(5 / 3)
+    assert p["sd"] == pytest.approx(math.sqrt(4 / 3))
+    assert p["lo"] == pytest.approx(5 / 3 - 2.868435, abs=1e-5)
+    assert p["hi"] == pytest.approx(5 / 3 + 2.868435, abs=1e-5)
+    one = stats.paired({0: 0.5}, {0: 0.25})
+    assert one["mean"] == 0.25 and math.isnan(one["lo"]) and math.isnan(one["sd"])
+    assert stats.paired({}, {0: 1.0})["n"] == 0
+
+
+def test_collapse_rule():
+    rule = stats.CollapseRule()
+    assert not rule(base=0.3, best=0.6, final=0.55)
+    assert rule(base=0.3, best=0.35, final=0.29)  # below the base policy
+    assert rule(base=0.1, best=0.6, final=0.29)  # fell by more than half from its best
+    assert not rule(base=0.1, best=0.6, final=0.30)  # exactly half: not more than half
+    assert not rule(base=math.nan, best=math.nan, final=math.nan)
+    assert not stats.CollapseRule(margin=0.05)(base=0.3, best=0.35, final=0.26)
+    assert "below 0.5 × its best" in rule.describe()
+
+
+def records(evals, mismatch, q=None):
+    """Synthetic metrics.jsonl rows: eval/pass@1 at the given steps, one training row per step."""
+    rows = [{"step": 0, "sft/final_loss": 1.0}]
+    for step, v in evals.items():
+        rows.append({"step": step, "eval/pass@1": v})
+    for i, m in enumerate(mismatch):
+        row = {"step": i + 1, "loss/mismatch": m, "lag/mean": float(i % 3),
+               "train/reward_mean": 0.5}
+        if q is not None:
+            row.update({"loss/sat/q": q[i], "loss/sat/binding_rate": 0.01 * i})
+        rows.append(row)
+    return rows
+
+
+def test_summarize_run_hand_computed():
+    r = records({0: 0.2, 4: 0.6, 8: 0.5}, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8],
+                q=[1, 2, 3, 4, 5, 6, 7, 8])
+    r.append({"step": 8, "eval/pass@1": 0.55})  # a resumed step logged again: the later wins
+    s = stats.summarize_run(r)
+    assert (s["base"], s["best"], s["best_step"], s["final"], s["final_step"]) == (
+        0.2, 0.6, 4, 0.55, 8)
+    # The last 25% of 8 steps: steps 7 and 8 (i = 6, 7: lag i % 3 = 0, 1).
+    assert s["mismatch_t25"] == pytest.approx(0.75) and s["q_t25"] == pytest.approx(7.5)
+    assert s["binding_t25"] == pytest.approx(0.065) and s["lag_t25"] == pytest.approx(0.5)
+    assert s["steps"] == 8 and s["collapsed"] is False
+    plain = stats.summarize_run(records({0: 0.2, 4: 0.1}, [0.1, 0.2]))
+    assert math.isnan(plain["q_t25"]) and plain["collapsed"] is True
+    assert plain["mismatch_t25"] == pytest.approx(0.2)  # ceil(0.25 · 2) = 1 step
+
+
+def test_markdown_table():
+    assert stats.markdown_table(["a", "b"], [[1, "x|y"]]) == "| a | b |\n|---|---|\n| 1 | x\\|y |"
+    with pytest.raises(ValueError, match="1 cells for 2 headers"):
+        stats.markdown_table(["a", "b"], [[1]])
+    assert stats.fmt_paired({"n": 3, "mean": 0.1, "lo": -0.05, "hi": 0.25, "wins": 2}) == (
+        "+0.100 [-0.050, +0.250] (n=3, 2/3 up)")
+
+
+def _fake_study(tmp_path, finals):
+    """A finished envelope study on disk: finals[(method, lag)] = per-seed final pass@1."""
+    g = study_grid.resolve("envelope", seeds=3, lags=(1, 8), lrs=(1e-4,))
+    runs = study_grid.expand(g, str(tmp_path))
+    for spec, c in runs:
+        os.makedirs(c.workdir, exist_ok=True)
+        final = finals[(spec.method, spec.lag)][spec.seed]
+        q = [0.1] * 4 if spec.method == "sat_grpo" else None
+        with open(os.path.join(c.workdir, "metrics.jsonl"), "w") as f:
+            for row in records({0: 0.2, 2: 0.4, 4: final}, [0.01 * spec.lag] * 4, q=q):
+                f.write(json.dumps(row) + "\n")
+        runner.mark_finished(c, {"wall_seconds": 2.0})
+    return g, runs
+
+
+def test_results_files_from_a_fake_study(tmp_path):
+    finals = {("grpo", 1): [0.5, 0.6, 0.7], ("grpo", 8): [0.4, 0.4, 0.5],
+              ("sat_grpo", 1): [0.5, 0.6, 0.8], ("sat_grpo", 8): [0.5, 0.5, 0.7]}
+    g, runs = _fake_study(tmp_path, finals)
+    out = report.write(str(tmp_path), g, runs, command="sat-jax compare --grid envelope",
+                       lag_mode="broadcast", overrides=[], invocation={"seconds": 3.0})
+    with open(out["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 12 and rows[0]["method"] == "grpo" and rows[0]["status"] == "finished"
+    md = open(out["md"]).read()
+    assert "- command: `sat-jax compare --grid envelope`" in md
+    assert "collapsed" in md and "JAX " in md and "commit:" in md
+    # grpo lag 1: best = max(0.4, final) per seed -> (0.5, 0.6, 0.7): mean 0.6, sd 0.1.
+    assert "| GRPO | 1 | 0.0001 | 3 | 0.200 | 0.600 ± 0.100 | 0.600 ± 0.100 | 0/3 |" in md
+    # SAT-GRPO − GRPO at lag 8, final: d = (0.1, 0.1, 0.2), mean 0.1333, sd 0.0577,
+    # half width 4.3027 · 0.0577 / √3 = 0.1434.
+    assert "+0.133 [-0.010, +0.277] (n=3, 3/3 up)" in md
+    env = {(e["lr"], e["lag"]): e for e in out["envelope"]}
+    drop = env[(1e-4, 8)]["base_drop"]  # grpo lag 8 − lag 1: (−0.1, −0.2, −0.2)
+    assert drop["mean"] == pytest.approx(-0.5 / 3) and drop["wins"] == 0
+    assert env[(1e-4, 8)]["sat_can_act"] and env[(1e-4, 8)]["q"] == pytest.approx(0.1)
+    assert env[(1e-4, 8)]["mismatch"] == pytest.approx(0.08)
+    for p in out["plots"]:
+        assert os.path.getsize(p) > 0
+    assert {os.path.basename(p) for p in out["plots"]} == {"accuracy.png", "mismatch.png",
+                                                           "envelope.png"}
+
+
+# --------------------------------------------------------------------------- shared train step
+
+def test_train_step_cache_key(monkeypatch):
+    built = []
+    monkeypatch.setattr(components.trainer, "make_train_step",
+                        lambda *a, **k: built.append(a) or object())
+    monkeypatch.setattr(components, "_TRAIN_STEPS", type(components._TRAIN_STEPS)())
+    monkeypatch.setattr(components, "SHARE_TRAIN_STEPS", True)
+    parts = types.SimpleNamespace(model_cfg="model", spec="spec", mesh="mesh", graphdef="g",
+                                  optimizer="opt")
+
+    def config(**fields):
+        c = study_grid.method_config("grpo")
+        for k, v in fields.items():
+            study_grid.apply_override(c, f"{k}={v}")
+        return c
+
+    a = components.shared_train_step(config(), parts)
+    assert components.shared_train_step(config(seed=3, lag=1, lag_mode="fixed"), parts) is a
+    assert components.shared_train_step(config(num_steps=9), parts) is a  # constant schedule
+    b = components.shared_train_step(config(**{"optim.learning_rate": 3e-4}), parts)
+    assert b is not a and len(built) == 2
+    components.shared_train_step(config(**{"optim.schedule": "cosine", "num_steps": 9}), parts)
+    components.shared_train_step(config(**{"optim.schedule": "cosine", "num_steps": 10}), parts)
+    assert len(built) == 4  # a cosine schedule reads the step count
+    monkeypatch.setattr(components, "SHARE_TRAIN_STEPS", False)
+    assert components.shared_train_step(config(), parts) is not a
+
+
+# --------------------------------------------------------------------------- command line
+
+@pytest.fixture
+def no_training(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the grid would have started")
+
+    monkeypatch.setattr(runner, "run_all", refuse)
+
+
+def run_cli(capsys, *args):
+    rc = cli.print_help(list(args))
+    if rc is None:
+        argv = ["sat-jax", *args]
+        saved = sys.argv
+        sys.argv = argv
+        try:
+            if flags.FLAGS.is_parsed():
+                flags.FLAGS.unparse_flags()
+            rc = cli.main(flags.FLAGS(argv))
+        finally:
+            sys.argv = saved
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--grid=nope"], "unknown grid 'nope'"),
+    (["--grid=core", "--lags=1,x"], "--lags needs a comma-separated list of integers"),
+    (["--grid=core", "--lags=-1"], "--lags values must be >= 0"),
+    (["--grid=core", "--seeds=0"], "--seeds must be >= 1"),
+    (["--grid=envelope", "--lrs=0"], "--lrs needs positive finite numbers"),
+    (["--grid=core", "--methods=grpo,bogus"], "--methods: unknown method"),
+    (["--grid=core", "--baseline=dpo"], "--baseline 'dpo' is not one of"),
+    (["--grid=core", "--set", "lag=2"], "--set lag: the grid sets this field"),
+    (["--grid=core", "--set", "optim.nope=2"], "unknown config field 'optim.nope'"),
+    (["--grid=core", "--set", "optim.learning_rate=-1"],
+     "run grpo_r3-broadcast1-lr-1-seed0: invalid config: optim.learning_rate must be > 0"),
+])
+def test_cli_grid_errors_exit_2(capsys, tmp_path, no_training, args, message):
+    rc, _, err = run_cli(capsys, "compare", *args, f"--out={tmp_path}/s")
+    assert rc == 2 and err.startswith("sat-jax: error: ") and message in err, err
+
+
+def test_cli_grid_needs_out_and_no_run_dirs(capsys, tmp_path, no_training):
+    rc, _, err = run_cli(capsys, "compare", "--grid=core")
+    assert rc == 2 and "compare --grid needs --out DIR" in err
+    rc, _, err = run_cli(capsys, "compare", "--grid=core", f"--out={tmp_path}", "runs/a")
+    assert rc == 2 and "takes no run directories" in err
+    rc, _, err = run_cli(capsys, "compare", "--seeds=3", str(tmp_path))
+    assert rc == 2 and "--seeds is a flag of compare --grid NAME" in err
+
+
+def test_cli_compare_help_names_both_uses(capsys):
+    rc, out, _ = run_cli(capsys, "compare", "--help")
+    assert rc == 0 and "RUN_DIR... | --grid NAME --out DIR" in out
+    assert "--grid" in out and "--lrs" in out and "--set" in out
+
+
+def test_lag_rows_pair_each_method_with_its_lowest_lag():
+    rows = [{"method": m, "lag_mode": "broadcast", "lag": lag, "lr": 1e-4, "seed": s,
+             "final": f, "best": f}
+            for m, lag, s, f in [("a", 1, 0, 0.5), ("a", 1, 1, 0.6), ("a", 8, 0, 0.3),
+                                 ("a", 8, 1, 0.5), ("b", 8, 0, 0.9)]]
+    (a8, b8) = stats.lag_rows(rows)
+    assert (a8["method"], a8["lag"], a8["from_lag"]) == ("a", 8, 1)
+    assert a8["final"]["mean"] == pytest.approx(-0.15) and a8["final"]["n"] == 2
+    assert b8["final"]["n"] == 0  # b has no lag-1 run
+
+
+def test_cli_grid_refuses_config_flags(capsys, tmp_path, no_training):
+    rc, _, err = run_cli(capsys, "compare", "--grid=core", f"--out={tmp_path}",
+                         f"--config={cli.default_config_module.__file__}")
+    assert rc == 2 and "change fields with --set KEY=VALUE, not --config" in err
+
+
+def test_cli_compare_run_dirs_still_overlays(capsys, tmp_path):
+    dirs = []
+    for seed in range(2):
+        d = tmp_path / f"sat-seed{seed}"
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(
+            json.dumps(r) + "\n" for r in records({0: 0.2, 2: 0.3 + 0.1 * seed}, [0.1, 0.2])))
+        dirs.append(str(d))
+    rc, out, _ = run_cli(capsys, "compare", *dirs, f"--out={tmp_path / 'c.png'}")
+    assert rc == 0 and out.strip() == str(tmp_path / "c.png") and (tmp_path / "c.png").is_file()

@@ -1,0 +1,66 @@
+"""The one study test that trains: ``sat-jax compare --grid`` on a toy grid (one method × two lags,
+two steps each), in process. The second run steps the first run's compiled trainer step, and a
+second invocation re-runs nothing."""
+
+import os
+import sys
+
+import pytest
+from absl import flags
+
+from sat_jax import cli
+from sat_jax.rl import components, learner
+
+TINY = ["num_steps=2", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
+        "model.num_kv_heads=1", "model.head_dim=16", "model.num_experts=4",
+        "model.num_experts_per_tok=2", "model.moe_intermediate_size=16",
+        "rollout.prompts_per_step=4", "rollout.group_size=4", "data.max_new_tokens=4",
+        "sft.steps=3", "sft.batch_size=16", "eval.every=2", "eval.num_prompts=8",
+        "checkpoint.every=0", "log.plots=false", "log.tensorboard=false", "mesh.data=1"]
+
+
+def run_cli(*args):
+    argv = ["sat-jax", *args]
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        if flags.FLAGS.is_parsed():
+            flags.FLAGS.unparse_flags()
+        return cli.main(flags.FLAGS(argv))
+    finally:
+        sys.argv = saved
+
+
+def test_toy_grid_trains_shares_the_step_and_resumes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(components, "_TRAIN_STEPS", type(components._TRAIN_STEPS)())
+    out = tmp_path / "study"
+    args = ["compare", "--grid=core", "--methods=grpo", "--baseline=grpo", "--lags=1,2",
+            "--seeds=1", f"--out={out}", *(f"--set={s}" for s in TINY),
+            f"--set=sft.cache_dir={tmp_path / 'cache'}"]
+    assert run_cli(*args) == 0
+    names = ["grpo-broadcast1-lr0.0001-seed0", "grpo-broadcast2-lr0.0001-seed0"]
+    for name in names:
+        assert os.path.isfile(out / "runs" / name / "done.json")
+    # Both runs stepped one jitted step, compiled once.
+    (step,) = components._TRAIN_STEPS.values()
+    assert step._cache_size() == 1
+    md = (out / "results.md").read_text()
+    assert "| GRPO | 2 | 0.0001 | 1 |" in md and "2 runs trained, 0 already finished" in md
+    assert len((out / "results.csv").read_text().splitlines()) == 3
+    assert (out / "plots" / "accuracy.png").is_file()
+
+    def refuse(*a, **k):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(learner, "train", refuse)
+    capsys.readouterr()
+    assert run_cli(*args) == 0
+    assert "2 runs already finished, skipped" in capsys.readouterr().err
+    assert "0 runs trained, 2 already finished" in (out / "results.md").read_text()
+
+
+@pytest.fixture(autouse=True)
+def _restore_sharing():
+    saved = components.SHARE_TRAIN_STEPS
+    yield
+    components.SHARE_TRAIN_STEPS = saved
