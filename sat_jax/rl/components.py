@@ -163,14 +163,14 @@ _TRAIN_STEPS: collections.OrderedDict = collections.OrderedDict()
 def train_step_key(config, parts: Components, *, donate: bool = True) -> tuple:
     """Everything that changes the trainer step's program: the model (``ModelConfig`` fixes the
     graph), the optimizer's settings (the learning rate is a constant in the program), the loss
-    spec, the prompt width, the mesh and donation. Seed, lag, lag mode, step count (unless a
-    cosine schedule reads it) and the data order do not enter it, so the seeds and lags of one
-    method share one compiled step."""
+    spec, the prompt width, the mesh and donation. Seed, lag, lag mode and the data order do not
+    enter it, so the seeds and lags of one method share one compiled step."""
+    # Every optimizer field (a field added later is in the key without anyone remembering to
+    # add it here), and the update count where the schedule reads it (constant ones do not).
     o = config.optim
     total = config.num_steps * o.updates_per_batch * o.num_minibatches
-    optim = (float(o.learning_rate), float(o.b1), float(o.b2), float(o.grad_clip),
-             float(o.weight_decay), int(o.warmup_steps), str(o.schedule),
-             total if o.schedule == "cosine" else None)
+    optim = (tuple(sorted((k, repr(v)) for k, v in o.to_dict().items())),
+             None if o.schedule == "constant" else total)
     return (parts.model_cfg, optim, parts.spec, int(config.data.max_prompt_len), parts.mesh,
             bool(donate))
 
