@@ -222,7 +222,7 @@ def _markdown(grid, rows, env, plot_paths, *, out_dir, command, lag_mode, overri
                       [[f"{e['lr']:g}", e["lag"], stats.fmt(e["base_final"]),
                         stats.fmt_paired(e["base_drop"]) if e["base_drop"] else "(lag 1)",
                         stats.fmt(e["mismatch"], 4), stats.fmt(e["q"], 4),
-                        "yes" if e["sat_can_act"] else "no", stats.fmt(e["binding"], 4),
+                        _can_act(e), stats.fmt(e["binding"], 4),
                         stats.fmt_paired(e["sat_diff"])] for e in env]), ""]
     if plot_paths:
         lines += ["## Plots", ""]
@@ -230,3 +230,10 @@ def _markdown(grid, rows, env, plot_paths, *, out_dir, command, lag_mode, overri
         lines.append("")
     lines += ["Per-run numbers: `results.csv` (one row per run; `status` partial = not finished)."]
     return "\n".join(lines) + "\n"
+
+
+def _can_act(cell) -> str:
+    """``yes``/``no`` for q < log(1 + ε); ``–`` where no SAT run of the cell has finished."""
+    if not math.isfinite(cell["q"]):
+        return "–"
+    return "yes" if cell["sat_can_act"] else "no"
