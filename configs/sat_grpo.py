@@ -1,0 +1,10 @@
+"""SAT-GRPO (paper Table 1 grid).
+
+Every config takes overrides, e.g. --config.lag=1 --config.seed=2.
+"""
+
+from sat_jax.default_config import method_config
+
+
+def get_config():
+    return method_config("sat_grpo", "sat", r3=False, correction="none")
