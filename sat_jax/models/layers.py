@@ -74,7 +74,7 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     # rotation is then one elementwise pass, x·cos + swap(x)·(∓sin), with no slices or concat
     # (whose transposes, pads and adds, cost XLA:CPU separate passes in the backward).
     x32 = x.astype(jnp.float32).reshape(x.shape[:-1] + (2, d // 2))
-    signed_sin = sin * jnp.array([-1.0, 1.0], jnp.float32)[:, None]
+    signed_sin = sin * jnp.array([-1.0, 1.0], jnp.float32).reshape(1, 1, 1, 2, 1)
     out = x32 * cos + x32[..., ::-1, :] * signed_sin
     return out.reshape(x.shape).astype(x.dtype)
 
