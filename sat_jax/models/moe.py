@@ -70,8 +70,11 @@ faster than with the dense MoE (paired medians, same load).
 The permutations into and out of the sorted buffer are gathers whose transposes would be
 scatter-adds (on XLA:CPU 2.4× the time of the gather at these sizes); since each pair occupies
 exactly one row, the transpose
-of "gather by the row→pair map" is "gather by the pair→row map", and ``_permute`` says so with a
-custom VJP (as MaxText writes the sort's backward as the inverse permutation).
+of "gather by the row→pair map" is "gather by the pair→row map", and ``_dispatch`` and
+``_combine`` say so with custom VJPs (as MaxText writes the sort's backward as the inverse
+permutation). ``_dispatch`` gathers each row from its token (not from a [N·k, d] broadcast of the
+tokens) and reads padding rows from an appended zero row; on one device (no sink pairs) no
+gather needs XLA's out-of-range fill, a select over the whole gathered buffer on XLA:CPU.
 
 Expert parallelism (``mesh`` with an ``expert_axis`` of size P > 1; experts split in P contiguous
 ranges of E/P, ``gate_proj`` etc. sharded on axis 0 over it): a ``jax.shard_map`` over that axis
