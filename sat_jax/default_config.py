@@ -69,6 +69,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Routed experts: auto (fastest on the backend: ragged_dot on TPU/GPU, blocked on CPU) | dense
     # (the reference, every expert for every token) | ragged | blocked (sat_jax/models/moe.py).
     c.model.moe_impl = "auto"
+    # Blocks per iteration of the scan over stacked blocks (ModelConfig.scan_unroll): 2 makes the
+    # 2-block default straight-line code, ~20 % faster training on CPU; 1 = one compiled body.
+    c.model.scan_unroll = 2
 
 
     # Rollout engine: bfloat16 against the float32 trainer reproduces the engine mismatch.

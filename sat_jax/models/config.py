@@ -53,6 +53,12 @@ class ModelConfig:
         ``"none"``, ``"full"`` (save nothing, recompute the block), ``"dots_saveable"`` (keep
         matmul outputs) or ``"dots_with_no_batch_dims_saveable"``; ``True`` / ``False`` are
         accepted as ``"full"`` / ``"none"``.
+      scan_unroll: blocks per iteration of the ``lax.scan`` over a run of stacked blocks (as
+        ``lax.scan``'s ``unroll``; clipped to the run's length). 1 compiles one block body; k
+        compiles k copies (compile time grows with k, not with depth) and removes the loop's
+        per-iteration costs: on XLA:CPU the stacked residuals of the backward pass (zero-filled,
+        dynamically updated and sliced per layer). A 2-block model with ``scan_unroll=2`` runs
+        straight-line code, ≈ 20 % faster forward + backward here (``benchmarks/logprobs.py``).
       moe_impl: the routed experts' computation (``sat_jax.models.moe.expert_ffn``'s ``impl``):
         ``"dense"`` (the reference: every expert for every token), ``"ragged"`` (dropless
         dispatch with ``jax.lax.ragged_dot``, for TPU/GPU), ``"blocked"`` (dropless dispatch in
@@ -82,6 +88,7 @@ class ModelConfig:
     remat: str | bool = "none"
     init_std: float = 0.02
     moe_impl: str = "auto"
+    scan_unroll: int = 1
 
     def __post_init__(self):
         # Normalise to a numpy dtype so that jnp.float32 and "float32" compare (and hash) equal.
@@ -94,6 +101,10 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.remat must be one of {REMAT_POLICIES} or a bool, "
                              f"got {self.remat!r}")
         object.__setattr__(self, "remat", remat)
+        if (isinstance(self.scan_unroll, bool) or not isinstance(self.scan_unroll, int)
+                or self.scan_unroll < 1):
+            raise ValueError(f"ModelConfig.scan_unroll must be a positive int, "
+                             f"got {self.scan_unroll!r}")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"ModelConfig.moe_impl must be one of {MOE_IMPLS}, "
                              f"got {self.moe_impl!r}")

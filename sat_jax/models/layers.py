@@ -68,12 +68,15 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., : d // 2], x32[..., d // 2 :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    cos = jnp.cos(angles)[:, :, None, None, :]  # [B, T, 1, 1, D/2]
+    sin = jnp.sin(angles)[:, :, None, None, :]
+    # Halves on an axis of 2, [x₁, x₂], and their swap [x₂, x₁] (a reverse, which fuses): the
+    # rotation is then one elementwise pass, x·cos + swap(x)·(∓sin), with no slices or concat
+    # (whose transposes, pads and adds, cost XLA:CPU separate passes in the backward).
+    x32 = x.astype(jnp.float32).reshape(x.shape[:-1] + (2, d // 2))
+    signed_sin = sin * jnp.array([-1.0, 1.0], jnp.float32).reshape(1, 1, 1, 2, 1)
+    out = x32 * cos + x32[..., ::-1, :] * signed_sin
+    return out.reshape(x.shape).astype(x.dtype)
 
 
 class LayerCache(NamedTuple):
@@ -250,10 +253,11 @@ class MoE(nnx.Module):
         """Returns (output [B, T, d], indices used [B, T, k] int32, router logits [B, T, E] f32)."""
         dt = x.dtype
         # Router logits in the compute dtype, then float32: a bfloat16 engine routes on bf16 logits.
-        z = self.gate(x).astype(jnp.float32)
-        indices = select_experts(z, self.k) if replay is None else replay.astype(jnp.int32)
-        gates = routing_gates(z, indices, norm_topk_prob=self.norm_topk_prob)
-        weights = jnp.take_along_axis(gates, indices, axis=-1)  # [B, T, k] float32
+        with jax.named_scope("router"):
+            z = self.gate(x).astype(jnp.float32)
+            indices = select_experts(z, self.k) if replay is None else replay.astype(jnp.int32)
+            gates = routing_gates(z, indices, norm_topk_prob=self.norm_topk_prob)
+            weights = jnp.take_along_axis(gates, indices, axis=-1)  # [B, T, k] float32
         b, t, d = x.shape
         n = b * t
         # Under the trainer's traced mesh, each device dispatches its own rows (batch axes) and

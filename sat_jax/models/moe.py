@@ -70,8 +70,11 @@ faster than with the dense MoE (paired medians, same load).
 The permutations into and out of the sorted buffer are gathers whose transposes would be
 scatter-adds (on XLA:CPU 2.4× the time of the gather at these sizes); since each pair occupies
 exactly one row, the transpose
-of "gather by the row→pair map" is "gather by the pair→row map", and ``_permute`` says so with a
-custom VJP (as MaxText writes the sort's backward as the inverse permutation).
+of "gather by the row→pair map" is "gather by the pair→row map", and ``_dispatch`` and
+``_combine`` say so with custom VJPs (as MaxText writes the sort's backward as the inverse
+permutation). ``_dispatch`` gathers each row from its token (not from a [N·k, d] broadcast of the
+tokens) and reads padding rows from an appended zero row; on one device (no sink pairs) no
+gather needs XLA's out-of-range fill, a select over the whole gathered buffer on XLA:CPU.
 
 Expert parallelism (``mesh`` with an ``expert_axis`` of size P > 1; experts split in P contiguous
 ranges of E/P, ``gate_proj`` etc. sharded on axis 0 over it): a ``jax.shard_map`` over that axis
@@ -101,6 +104,7 @@ computes them.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -284,15 +288,18 @@ def _local_ffn(path, x, indices, weights, gate_proj, up_proj, down_proj, *, offs
     pair_of_row = jnp.full((rows,), m, jnp.int32).at[row_of_pair].set(
         jnp.arange(m, dtype=jnp.int32), mode="drop")
 
-    d = x.shape[1]
-    x_pairs = jnp.broadcast_to(x[:, None, :], (n, k, d)).reshape(m, d)
-    x_rows = _permute(x_pairs, pair_of_row, row_of_pair)  # [rows, d], zero on padding rows
-    if path == "ragged":
-        y_rows = _ragged_experts(x_rows, sizes, gate_proj, up_proj, down_proj)
-    else:
-        y_rows = _blocked_experts(x_rows, block_expert, block, gate_proj, up_proj, down_proj)
-    y_pairs = _permute(y_rows, row_of_pair, pair_of_row).reshape(n, k, d)  # sink pairs: 0
-    return jnp.einsum("nk,nkd->nd", weights, y_pairs)
+    # ep = 1 (offset a Python 0): every pair is local, so row_of_pair is in range everywhere and
+    # its gathers need no out-of-range fill (a select over the gathered buffer on XLA:CPU).
+    sink = not (isinstance(offset, int) and offset == 0)
+    with jax.named_scope("dispatch"):
+        x_rows = _dispatch(x, pair_of_row, row_of_pair.reshape(n, k), sink)  # padding rows: 0
+    with jax.named_scope("experts"):
+        if path == "ragged":
+            y_rows = _ragged_experts(x_rows, sizes, gate_proj, up_proj, down_proj)
+        else:
+            y_rows = _blocked_experts(x_rows, block_expert, block, gate_proj, up_proj, down_proj)
+    with jax.named_scope("combine"):
+        return _combine(y_rows, weights, row_of_pair.reshape(n, k), pair_of_row, sink)
 
 
 def _dense(x, local_indices, weights, gate_proj, up_proj, down_proj):
@@ -320,34 +327,85 @@ def _ragged_experts(x_rows, sizes, gate_proj, up_proj, down_proj):
 def _blocked_experts(x_rows, block_expert, block, gate_proj, up_proj, down_proj):
     nb = block_expert.shape[0]
     xb = x_rows.reshape(nb, block, x_rows.shape[1])
-    g = jnp.einsum("bnd,bdf->bnf", xb, jnp.take(gate_proj, block_expert, axis=0))
-    u = jnp.einsum("bnd,bdf->bnf", xb, jnp.take(up_proj, block_expert, axis=0))
+
+    def weights_of_blocks(w):  # block_expert lies in [0, E): no out-of-range fill (a select)
+        return w.at[block_expert].get(mode="promise_in_bounds")
+
+    g = jnp.einsum("bnd,bdf->bnf", xb, weights_of_blocks(gate_proj))
+    u = jnp.einsum("bnd,bdf->bnf", xb, weights_of_blocks(up_proj))
     h = jax.nn.silu(g) * u
-    y = jnp.einsum("bnf,bfd->bnd", h, jnp.take(down_proj, block_expert, axis=0))
+    y = jnp.einsum("bnf,bfd->bnd", h, weights_of_blocks(down_proj))
     return y.reshape(nb * block, -1)
 
 
-@jax.custom_vjp
-def _permute(src: jax.Array, fwd: jax.Array, bwd: jax.Array) -> jax.Array:
-    """out[i] = src[fwd[i]] (0 where fwd[i] is out of range), for a partial bijection.
+def _gather_rows(src, index, in_range: bool):
+    """src[index] along axis 0; 0 where index is out of range unless ``in_range`` promises none
+    is (then no fill: XLA:CPU spends a select over the whole result on it)."""
+    if in_range:
+        return src.at[index].get(mode="promise_in_bounds")
+    return src.at[index].get(mode="fill", fill_value=0)
 
-    Requires: fwd is injective on its in-range entries and bwd is its inverse (bwd[s] = the i with
-    fwd[i] = s, out of range if none). Then the transpose, g_src[s] = Σ_{fwd[i]=s} g_out[i], is the
-    gather g_out[bwd[s]] — no scatter-add.
+
+def _with_zero_row(a):
+    """``a`` with one zero row appended: row ``len(a)`` is the fill of out-of-range sentinels."""
+    return jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)], axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch(x, pair_of_row, row_of_pair, sink):
+    """x_rows[r] = x[pair_of_row[r] // k] (the token of row r's pair), 0 on padding rows.
+
+    Gathers from the tokens, not from a [N·k, d] broadcast of them, and reads the padding rows'
+    sentinel (pair m, token N) from an appended zero row, so no out-of-range fill is needed.
+    Transpose: each computed pair owns exactly one row, so g_x[n] = Σ_j g_rows[row_of_pair[n, j]]
+    is a gather and a sum over k (no scatter-add), with a fill only for sink pairs (``sink``).
     """
-    return jnp.take(src, fwd, axis=0, mode="fill", fill_value=0)
+    k = row_of_pair.shape[1]
+    return _with_zero_row(x).at[pair_of_row // k].get(mode="promise_in_bounds")
 
 
-def _permute_fwd(src, fwd, bwd):
-    return _permute(src, fwd, bwd), (fwd, bwd)
+def _dispatch_fwd(x, pair_of_row, row_of_pair, sink):
+    return _dispatch(x, pair_of_row, row_of_pair, sink), (pair_of_row, row_of_pair)
 
 
-def _permute_bwd(res, g):
-    fwd, bwd = res
-    return jnp.take(g, bwd, axis=0, mode="fill", fill_value=0), None, None
+def _dispatch_bwd(sink, res, g_rows):
+    pair_of_row, row_of_pair = res
+    g_x = jnp.sum(_gather_rows(g_rows, row_of_pair, not sink), axis=1)
+    return g_x, None, None
 
 
-_permute.defvjp(_permute_fwd, _permute_bwd)
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _combine(y_rows, weights, row_of_pair, pair_of_row, sink):
+    """y[n] = Σ_j w[n, j] · y_rows[row_of_pair[n, j]] (sink pairs, out of range: 0).
+
+    Transpose: g_rows[r] = w(pair of r) · g_y[token of r], 0 on padding rows (whose pair, the
+    sentinel m, reads an appended zero weight and zero cotangent); g_w[n, j] = g_y[n] ·
+    y_rows[row_of_pair[n, j]]. Gathers only, no scatter-add.
+    """
+    y_pairs = _gather_rows(y_rows, row_of_pair, not sink)  # [N, k, d]
+    return jnp.einsum("nk,nkd->nd", weights, y_pairs)
+
+
+def _combine_fwd(y_rows, weights, row_of_pair, pair_of_row, sink):
+    y_pairs = _gather_rows(y_rows, row_of_pair, not sink)
+    return jnp.einsum("nk,nkd->nd", weights, y_pairs), (y_pairs, weights, pair_of_row)
+
+
+def _combine_bwd(sink, res, g_y):
+    y_pairs, weights, pair_of_row = res
+    n, k = weights.shape
+    g_w = jnp.einsum("nd,nkd->nk", g_y, y_pairs)
+    w_rows = _with_zero_row(weights.reshape(n * k)).at[pair_of_row].get(
+        mode="promise_in_bounds")
+    g_rows = w_rows[:, None] * _with_zero_row(g_y).at[pair_of_row // k].get(
+        mode="promise_in_bounds")
+    return g_rows, g_w, None, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,7 +439,8 @@ def _sharded(x, indices, weights, gate_proj, up_proj, down_proj, *, impl, platfo
             # The sorted rows differ per device (each sorts for its own experts), so the
             # replicated x enters them as a per-device value; this cast's transpose is the psum
             # of x's cotangent over the axis, which the custom-VJP gathers cannot insert.
-            xs = jax.lax.pcast(xs, axis, to="varying")
+            # The gates likewise enter the custom-VJP combine (their cotangent psums back).
+            xs, w = (jax.lax.pcast(a, axis, to="varying") for a in (xs, w))
         offset = jax.lax.axis_index(axis) * e_local
         y = _local_ffn(path, xs, idx, w, gp, up, dp, offset=offset, block_size=block_size)
         if split_tokens:

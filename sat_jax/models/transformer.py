@@ -88,14 +88,17 @@ class Block(nnx.Module):
         self.is_moe = moe
 
     def __call__(self, x, positions, kv_mask, cache, cache_index, layer, replay):
-        h, new_cache = self.self_attn(self.input_layernorm(x), positions, kv_mask, cache,
-                                      cache_index, layer)
+        # Named scopes label the profile (op_name metadata); they do not change the program.
+        with jax.named_scope("attention"):
+            h, new_cache = self.self_attn(self.input_layernorm(x), positions, kv_mask, cache,
+                                          cache_index, layer)
         x = x + h
-        hn = self.post_attention_layernorm(x)
-        if self.is_moe:
-            y, indices, z = self.mlp(hn, replay)
-        else:
-            y, indices, z = self.mlp(hn), None, None
+        with jax.named_scope("moe" if self.is_moe else "mlp"):
+            hn = self.post_attention_layernorm(x)
+            if self.is_moe:
+                y, indices, z = self.mlp(hn, replay)
+            else:
+                y, indices, z = self.mlp(hn), None, None
         return x + y, new_cache, indices, z
 
 
@@ -271,7 +274,8 @@ class Transformer(nnx.Module):
         if cache is None and cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
         layers = jnp.asarray(ids, jnp.int32)
-        (x, cache), (idx, lbl) = jax.lax.scan(body, (x, cache), (state, layers, replay))
+        (x, cache), (idx, lbl) = jax.lax.scan(body, (x, cache), (state, layers, replay),
+                                              unroll=min(cfg.scan_unroll, stop - start))
         return x, cache, idx, lbl
 
 

@@ -100,6 +100,27 @@ def test_remat_policies_change_memory_not_values(policy):
                  grads(remat_graphdef), grads(graphdef))
 
 
+def test_scan_unroll_changes_the_program_not_values():
+    # 3 blocks with unroll 2: one loop step of two blocks plus a remainder block; with a dense
+    # block in the middle (runs of 1, 1, 1 after mixing) the clip to the run length applies too.
+    for extra in ({}, {"mlp_only_layers": (1,)}):
+        cfg = ModelConfig(num_layers=3, init_std=0.3, **SMALL, **extra)
+        graphdef, params = init_model(cfg, seed=5)
+        unrolled, _ = init_model(cfg.replace(scan_unroll=2), seed=5)
+        tokens = jnp.arange(14, dtype=jnp.int32).reshape(2, 7) % cfg.vocab_size
+
+        def value_and_grads(g, params=params, tokens=tokens):
+            return jax.jit(jax.value_and_grad(
+                lambda p: -jnp.sum(token_logprobs(g, p, tokens, response_start=3)[0])))(params)
+
+        # Equal up to float32 rounding (XLA fuses the unrolled program differently).
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                     value_and_grads(unrolled), value_and_grads(graphdef))
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="scan_unroll"):
+            ModelConfig(scan_unroll=bad)
+
+
 def test_config_options_and_param_dtype():
     assert ModelConfig(remat=True).remat == "full" and ModelConfig(remat=False).remat == "none"
     with pytest.raises(ValueError, match="remat"):
