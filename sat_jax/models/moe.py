@@ -365,11 +365,10 @@ def _dispatch(x, pair_of_row, row_of_pair, sink):
 
 
 def _dispatch_fwd(x, pair_of_row, row_of_pair, sink):
-    return _dispatch(x, pair_of_row, row_of_pair, sink), (pair_of_row, row_of_pair)
+    return _dispatch(x, pair_of_row, row_of_pair, sink), row_of_pair  # all the transpose reads
 
 
-def _dispatch_bwd(sink, res, g_rows):
-    pair_of_row, row_of_pair = res
+def _dispatch_bwd(sink, row_of_pair, g_rows):
     g_x = jnp.sum(_gather_rows(g_rows, row_of_pair, not sink), axis=1)
     return g_x, None, None
 

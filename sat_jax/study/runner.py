@@ -126,8 +126,9 @@ def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | N
             return learner.train(config, quiet=True)
 
     t0 = time.perf_counter()
-    pending = [(s, c) for s, c in runs if not is_finished(c)]
-    skipped = [s.name for s, c in runs if is_finished(c)]
+    finished = [is_finished(c) for _, c in runs]  # reads each done.json once
+    pending = [(s, c) for (s, c), f in zip(runs, finished, strict=True) if not f]
+    skipped = [s.name for (s, _), f in zip(runs, finished, strict=True) if f]
     total = len(runs)
     done = len(skipped)
     if skipped:
@@ -144,6 +145,17 @@ def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | N
     def so_far():
         return {"trained": trained, "skipped": skipped, "failed": failed,
                 "seconds": time.perf_counter() - t0, "run_seconds": run_seconds}
+
+    def finish(i: int, message: str) -> None:
+        """Counts run ``i`` done, logs the progress line with ``message``, calls ``after_run``."""
+        nonlocal done
+        done += 1
+        left = cold_flags[i + 1:]
+        eta = estimate(cold, warm, sum(left), len(left) - sum(left))
+        log(f"{progress_line(done, total, time.perf_counter() - t0, eta)} | {message}")
+        if after_run is not None:
+            after_run(so_far())
+
     for i, (spec, config) in enumerate(pending):
         t = time.perf_counter()
         resuming = os.path.isdir(os.path.join(config.workdir, "checkpoints"))
@@ -158,14 +170,8 @@ def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | N
             with open(os.path.join(config.workdir, ERROR_FILE), "w", encoding="utf-8") as f:
                 f.write(traceback.format_exc())
             failed.append(spec.name)
-            done += 1
-            left = cold_flags[i + 1:]
-            eta = estimate(cold, warm, sum(left), len(left) - sum(left))
-            log(f"{progress_line(done, total, time.perf_counter() - t0, eta)} | {spec.name} "
-                f"FAILED after {seconds:.1f}s: {type(e).__name__}: {e} (traceback in "
-                f"{os.path.join(config.workdir, ERROR_FILE)}); continuing")
-            if after_run is not None:
-                after_run(so_far())
+            finish(i, f"{spec.name} FAILED after {seconds:.1f}s: {type(e).__name__}: {e} "
+                      f"(traceback in {os.path.join(config.workdir, ERROR_FILE)}); continuing")
             continue
         seconds = time.perf_counter() - t
         if summary.get("interrupted"):
@@ -176,11 +182,5 @@ def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | N
         (cold if cold_flags[i] else warm).append(seconds)
         trained.append(spec.name)
         run_seconds[spec.name] = seconds
-        done += 1
-        left = cold_flags[i + 1:]
-        eta = estimate(cold, warm, sum(left), len(left) - sum(left))
-        log(f"{progress_line(done, total, time.perf_counter() - t0, eta)} | {spec.name} took "
-            f"{seconds:.1f}s")
-        if after_run is not None:
-            after_run(so_far())
+        finish(i, f"{spec.name} took {seconds:.1f}s")
     return so_far()
