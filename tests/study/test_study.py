@@ -8,11 +8,10 @@ import importlib.util
 import json
 import math
 import os
-import sys
 import types
 
 import pytest
-from absl import flags
+from _study_cli import invoke
 
 from sat_jax import cli, default_config
 from sat_jax.rl import components
@@ -351,17 +350,7 @@ def no_training(monkeypatch):
 
 
 def run_cli(capsys, *args):
-    rc = cli.print_help(list(args))
-    if rc is None:
-        argv = ["sat-jax", *args]
-        saved = sys.argv
-        sys.argv = argv
-        try:
-            if flags.FLAGS.is_parsed():
-                flags.FLAGS.unparse_flags()
-            rc = cli.main(flags.FLAGS(argv))
-        finally:
-            sys.argv = saved
+    rc = invoke(*args)
     out = capsys.readouterr()
     return rc, out.out, out.err
 

@@ -3,12 +3,10 @@ two steps each), in process. The second run steps the first run's compiled train
 second invocation re-runs nothing."""
 
 import os
-import sys
 
 import pytest
-from absl import flags
+from _study_cli import invoke
 
-from sat_jax import cli
 from sat_jax.rl import components, learner
 
 TINY = ["num_steps=2", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
@@ -20,15 +18,7 @@ TINY = ["num_steps=2", "model.hidden_size=32", "model.num_layers=1", "model.num_
 
 
 def run_cli(*args):
-    argv = ["sat-jax", *args]
-    saved = sys.argv
-    sys.argv = argv
-    try:
-        if flags.FLAGS.is_parsed():
-            flags.FLAGS.unparse_flags()
-        return cli.main(flags.FLAGS(argv))
-    finally:
-        sys.argv = saved
+    return invoke(*args)
 
 
 def test_toy_grid_trains_shares_the_step_and_resumes(tmp_path, monkeypatch, capsys):
