@@ -134,9 +134,13 @@ def breakdown(workdir: str, lag: int, repeats: int) -> dict:
                                      config=parts.model_cfg)
     extra = dict(rollout.behaviour)
     params = state.params
+    # The step's program: each group's prompt once in the feed-forward layers when the batch
+    # allows it (loss.share_prompt, on by default); the pieces below time the same pass.
+    share = spec.prompt_group > 1 and host_batch.shares_prompt(spec.prompt_group, pw,
+                                                                routing=spec.r3)
 
     def logprobs(p, b):
-        logp, entropy, _ = trainer._logprobs(graphdef, p, b, spec, pw)
+        logp, entropy, _ = trainer._logprobs(graphdef, p, b, spec, pw, share)
         return logp, entropy
 
     def logprob_sum(p, b):  # a scalar of both outputs, so the backward covers both
@@ -145,7 +149,7 @@ def breakdown(workdir: str, lag: int, repeats: int) -> dict:
 
     def loss(p, b):
         return trainer.policy_loss(p, b, extra, graphdef=graphdef, spec=spec, prompt_width=pw,
-                                   axis_name=None)
+                                   axis_name=None, share=share)
 
     def update(grads, opt_state, p):
         updates, opt_state = parts.optimizer.update(grads, opt_state, p)
@@ -156,7 +160,8 @@ def breakdown(workdir: str, lag: int, repeats: int) -> dict:
     loss_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
     opt = jax.jit(update)
     grads = loss_grad(params, batch)[1]
-    compiled = step.jitted.lower(*step.args(state, batch, extra)).compile()
+    compiled = (step.jitted if share else step.unshared).lower(
+        *step.args(state, batch, extra)).compile()
     flops = {name: fn.lower(params, batch).compile().cost_analysis().get("flops")
              for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd))}
     _, metrics = step(state, batch, extra)
@@ -173,6 +178,7 @@ def breakdown(workdir: str, lag: int, repeats: int) -> dict:
     bwd_rounds = t["logprob_fwd_bwd"] - t["logprob_fwd"]
     return {
         "batch": f"{batch.size} sequences x {batch.tokens.shape[1]} tokens",
+        "shared_prompt": bool(share),
         "repeats": repeats,
         **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
         "logprob_bwd_ms": round(float(np.median(bwd_rounds) * 1e3), 2),

@@ -8,8 +8,10 @@ from sat_jax.models.hf_config import config_from_hf, config_to_hf
 from sat_jax.models.layers import (
     LayerCache,
     RMSNorm,
+    apply_rotary,
     load_balancing_loss,
     rotary,
+    rotary_tables,
     routing_gates,
     select_experts,
 )
@@ -68,7 +70,9 @@ __all__ = [
     "param_path",
     "param_shardings",
     "positions_from_mask",
+    "apply_rotary",
     "rotary",
+    "rotary_tables",
     "routing_gates",
     "save_hf",
     "scale_logits",

@@ -53,6 +53,30 @@ class RMSNorm(nnx.Module):
         return (y * w).astype(x.dtype)
 
 
+def rotary_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos(pω) and sin(pω) [B, T, D/2] float32 for rotary positions p [B, T] and ω_i = θ^(−2i/D).
+
+    The model computes them once per forward pass for all heads and blocks (``apply_rotary``).
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, D/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """``rotary`` from precomputed ``rotary_tables``: x [B, T, heads, D], cos/sin [B, T, D/2]."""
+    d = x.shape[-1]
+    cos = cos[:, :, None, None, :]  # [B, T, 1, 1, D/2]
+    sin = sin[:, :, None, None, :]
+    # Halves on an axis of 2, [x₁, x₂], and their swap [x₂, x₁] (a reverse, which fuses): the
+    # rotation is then one elementwise pass, x·cos + swap(x)·(∓sin), with no slices or concat
+    # (whose transposes, pads and adds, cost XLA:CPU separate passes in the backward).
+    x32 = x.astype(jnp.float32).reshape(x.shape[:-1] + (2, d // 2))
+    signed_sin = sin * jnp.array([-1.0, 1.0], jnp.float32).reshape(1, 1, 1, 2, 1)
+    out = x32 * cos + x32[..., ::-1, :] * signed_sin
+    return out.reshape(x.shape).astype(x.dtype)
+
+
 def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotary position embedding (Su et al. 2021), Hugging Face "rotate-half" layout.
 
@@ -65,18 +89,7 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
       positions: [B, T] integer positions.
       theta: rotary base.
     """
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, None, :]  # [B, T, 1, 1, D/2]
-    sin = jnp.sin(angles)[:, :, None, None, :]
-    # Halves on an axis of 2, [x₁, x₂], and their swap [x₂, x₁] (a reverse, which fuses): the
-    # rotation is then one elementwise pass, x·cos + swap(x)·(∓sin), with no slices or concat
-    # (whose transposes, pads and adds, cost XLA:CPU separate passes in the backward).
-    x32 = x.astype(jnp.float32).reshape(x.shape[:-1] + (2, d // 2))
-    signed_sin = sin * jnp.array([-1.0, 1.0], jnp.float32).reshape(1, 1, 1, 2, 1)
-    out = x32 * cos + x32[..., ::-1, :] * signed_sin
-    return out.reshape(x.shape).astype(x.dtype)
+    return apply_rotary(x, *rotary_tables(positions, x.shape[-1], theta))
 
 
 class LayerCache(NamedTuple):
@@ -94,6 +107,11 @@ class Attention(nnx.Module):
     j ≤ slot and ``kv_mask[b, j]``, or j is the query's own slot (so a padding query never has an
     empty row). Without a cache, the keys are the call's own tokens and ``cache_index`` is 0.
 
+    ``rope`` is the (cos, sin) pair of ``rotary_tables`` for the call's positions.
+    ``shared_prefix`` = (G, P): x is in ``Transformer``'s shared-prefix layout (no cache), and
+    each query attends to the keys it would see in the plain layout
+    (``_shared_prefix_attention``).
+
     The cache is the stacked one of all blocks ([L, B, S, kv_heads, head_dim]); this block
     writes its new keys and values into row ``layer`` in place (one dynamic-update-slice of the
     call's T slots, not a copy of the layer) and attends over that row.
@@ -109,24 +127,27 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=pdt)
         self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=pdt)
         self.num_heads, self.num_kv_heads, self.head_dim = h, hk, hd
-        self.rope_theta = cfg.rope_theta
 
     def __call__(
         self,
         x: jax.Array,
-        positions: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
         kv_mask: jax.Array,
         cache: LayerCache | None,
         cache_index: jax.Array | int,
         layer: jax.Array | int = 0,
+        shared_prefix: tuple[int, int] | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         b, t, _ = x.shape
         hk, g, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         q = self.q_norm(self.q_proj(x).reshape(b, t, hk * g, hd))
         k = self.k_norm(self.k_proj(x).reshape(b, t, hk, hd))
         v = self.v_proj(x).reshape(b, t, hk, hd)
-        q = rotary(q, positions, self.rope_theta).reshape(b, t, hk, g, hd)
-        k = rotary(k, positions, self.rope_theta)
+        q = apply_rotary(q, *rope).reshape(b, t, hk, g, hd)
+        k = apply_rotary(k, *rope)
+        if shared_prefix is not None:
+            out = _shared_prefix_attention(q, k, v, kv_mask, shared_prefix)
+            return self.o_proj(out.reshape(b, t, hk * g * hd)), None
         if cache is not None:
             zero = jnp.zeros((), jnp.int32)
             start = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(cache_index, jnp.int32),
@@ -139,16 +160,55 @@ class Attention(nnx.Module):
             k_all, v_all = k_all.astype(x.dtype), v_all.astype(x.dtype)
         else:
             k_all, v_all, new_cache = k, v, None
-        s = k_all.shape[1]
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_all).astype(jnp.float32)
-        scores = scores * (1.0 / float(hd) ** 0.5)
-        q_slot = cache_index + jnp.arange(t)[:, None]  # [t, 1]
-        k_slot = jnp.arange(s)[None, :]  # [1, s]
-        allowed = ((k_slot <= q_slot)[None] & kv_mask[:, None, :]) | (k_slot == q_slot)[None]
-        scores = jnp.where(allowed[:, None, None], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v_all).reshape(b, t, hk * g * hd)
-        return self.o_proj(out), new_cache
+        allowed = _causal_allowed(t, k_all.shape[1], kv_mask, cache_index)
+        out = _attend(q, k_all, v_all, allowed)
+        return self.o_proj(out.reshape(b, t, hk * g * hd)), new_cache
+
+
+def _causal_allowed(t: int, s: int, kv_mask: jax.Array, offset=0) -> jax.Array:
+    """[B, t, s] bool: query i (slot offset + i) sees key slot j ≤ its slot with kv_mask, and
+    always its own slot (so a padding query never has an empty row)."""
+    q_slot = offset + jnp.arange(t)[:, None]  # [t, 1]
+    k_slot = jnp.arange(s)[None, :]  # [1, s]
+    return ((k_slot <= q_slot)[None] & kv_mask[:, None, :]) | (k_slot == q_slot)[None]
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """softmax(q·kᵀ/√D, masked to ``allowed``)·v: q [B, t, kv, g, D], k/v [B, s, kv, D],
+    allowed [B, t, s] → [B, t, kv, g, D]. Scores and softmax in float32."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32)
+    scores = scores * (1.0 / float(q.shape[-1]) ** 0.5)
+    scores = jnp.where(allowed[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v)
+
+
+def _shared_prefix_attention(q, k, v, kv_mask, shared_prefix):
+    """Causal attention over the shared-prefix layout of ``Transformer`` (``unique_rows``): per
+    group, its P prefix positions, then G rows of R = (t − P)/G own positions each.
+
+    The prefix queries attend causally among the prefix (once per group). Row r's own queries
+    attend to the group's prefix keys (under kv_mask) and causally to row r's own keys: the keys
+    each query sees in the plain [B, T] layout, in the same slot order, so scores and softmax
+    are the plain path's. Shapes: q [n, t, kv, g, D], k/v [n, t, kv, D], kv_mask [n, t].
+    """
+    grp, p = shared_prefix
+    n, t = q.shape[:2]
+    r = (t - p) // grp
+    out_prefix = _attend(q[:, :p], k[:, :p], v[:, :p], _causal_allowed(p, p, kv_mask[:, :p]))
+
+    def rows(a):  # [n, t, ...] → the G rows' own positions [n·G, R, ...]
+        return a[:, p:].reshape((n * grp, r) + a.shape[2:])
+
+    def with_prefix(a):  # [n·G, P + R, ...]: the group's prefix, then the row's own positions
+        prefix = jnp.broadcast_to(a[:, None, :p], (n, grp, p) + a.shape[2:])
+        return jnp.concatenate([prefix.reshape((n * grp, p) + a.shape[2:]), rows(a)], axis=1)
+
+    own = _causal_allowed(r, r, rows(kv_mask))
+    prefix_mask = jnp.broadcast_to(with_prefix(kv_mask)[:, None, :p], (n * grp, r, p))
+    out_rows = _attend(rows(q), with_prefix(k), with_prefix(v),
+                       jnp.concatenate([prefix_mask, own], axis=2))
+    return jnp.concatenate([out_prefix, out_rows.reshape((n, grp * r) + q.shape[2:])], axis=1)
 
 
 class MLP(nnx.Module):
@@ -206,7 +266,8 @@ def load_balancing_loss(router_logits: jax.Array, k: int, token_mask: jax.Array)
     Args:
       router_logits: [B, T, E].
       k: experts per token.
-      token_mask: [B, T] bool, tokens that count.
+      token_mask: [B, T] bool, tokens that count (or float weights: how many tokens each
+        position stands for, as in the shared-prefix layout).
     """
     e = router_logits.shape[-1]
     z = router_logits.astype(jnp.float32)

@@ -177,6 +177,7 @@ def token_logprobs(
     cutoffs: jax.Array | None = None,
     temperature: float | jax.Array = 1.0,
     chunk_size: int | None = None,
+    shared_prefix: tuple[int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Per-token log π(y_t | s_t) and entropies of a batch of sequences, differentiable in params.
 
@@ -214,6 +215,10 @@ def token_logprobs(
         The scored token itself is always kept in the support.
       temperature: the sampler's temperature; logits are divided by it before everything else.
       chunk_size: None (full logits) or positions per chunk, a positive Python int.
+      shared_prefix: static ``(G, P)`` or None: the rows come in groups of G whose first P fed
+        tokens (prompt slots, masks and replayed routing) are identical, as a GRPO batch's G
+        samples of a prompt with ``P = response_start`` are; the feed-forward layers then run
+        those positions once per group (``Transformer.__call__``). Same values and gradients.
     Returns:
       logp: [B, T − s] float32.
       entropy: [B, T − s] float32, entropy of the (replayed-support) distribution at each position.
@@ -245,6 +250,7 @@ def token_logprobs(
         routing=routing,
         logits_from=response_start - 1,
         return_hidden=chunk_size is not None,
+        shared_prefix=shared_prefix,
     )
     targets = tokens[:, response_start:]
     if chunk_size is None:

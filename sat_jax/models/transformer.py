@@ -35,6 +35,7 @@ from sat_jax.models.layers import (
     MoE,
     RMSNorm,
     load_balancing_loss,
+    rotary_tables,
 )
 
 _REMAT_POLICIES = {
@@ -72,6 +73,45 @@ def positions_from_mask(input_mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(input_mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
+def _check_shared_prefix(shared_prefix, b: int, t: int) -> tuple[int, int] | None:
+    if shared_prefix is None:
+        return None
+    ok = (isinstance(shared_prefix, tuple) and len(shared_prefix) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in shared_prefix))
+    if not ok:
+        raise ValueError(f"shared_prefix must be None or a (group_size, prefix_len) tuple of "
+                         f"Python ints, got {shared_prefix!r}")
+    g, p = shared_prefix
+    if g < 1 or b % g:
+        raise ValueError(f"shared_prefix group_size must be a positive divisor of the batch "
+                         f"(tokens.shape[0] = {b}), got {g}")
+    if not 0 <= p <= t:
+        raise ValueError(f"shared_prefix prefix_len must lie in [0, {t}] (tokens.shape[1]), "
+                         f"got {p}")
+    return None if g == 1 or p == 0 else (g, p)
+
+
+def unique_rows(a: jax.Array, shared_prefix: tuple[int, int]) -> jax.Array:
+    """[B, T, ...] → [B/G, P + G·(T − P), ...]: per group of G rows, its shared first P positions
+    once (those of the group's first row), then the G rows' own remaining positions."""
+    g, p = shared_prefix
+    b, t = a.shape[:2]
+    grouped = a.reshape((b // g, g, t) + a.shape[2:])
+    rest = grouped[:, :, p:].reshape((b // g, g * (t - p)) + a.shape[2:])
+    return jnp.concatenate([grouped[:, 0, :p], rest], axis=1)
+
+
+def expand_rows(a: jax.Array, shared_prefix: tuple[int, int], t: int) -> jax.Array:
+    """The inverse layout of ``unique_rows``: [B/G, P + G·(T − P), ...] → [B, T, ...], the
+    shared positions copied to every row of the group (their cotangents sum back)."""
+    g, p = shared_prefix
+    n = a.shape[0]
+    tail = a.shape[2:]
+    prefix = jnp.broadcast_to(a[:, None, :p], (n, g, p) + tail)
+    rest = a[:, p:].reshape((n, g, t - p) + tail)
+    return jnp.concatenate([prefix, rest], axis=2).reshape((n * g, t) + tail)
+
+
 class Block(nnx.Module):
     """Pre-norm block: x + Attn(RMSNorm(x)), then x + FFN(RMSNorm(x)); FFN is MoE or SwiGLU."""
 
@@ -87,11 +127,11 @@ class Block(nnx.Module):
                            dtype=pdt)
         self.is_moe = moe
 
-    def __call__(self, x, positions, kv_mask, cache, cache_index, layer, replay):
+    def __call__(self, x, rope, kv_mask, cache, cache_index, layer, replay, shared_prefix=None):
         # Named scopes label the profile (op_name metadata); they do not change the program.
         with jax.named_scope("attention"):
-            h, new_cache = self.self_attn(self.input_layernorm(x), positions, kv_mask, cache,
-                                          cache_index, layer)
+            h, new_cache = self.self_attn(self.input_layernorm(x), rope, kv_mask, cache,
+                                          cache_index, layer, shared_prefix)
         x = x + h
         with jax.named_scope("moe" if self.is_moe else "mlp"):
             hn = self.post_attention_layernorm(x)
@@ -159,6 +199,7 @@ class Transformer(nnx.Module):
         kv_mask: jax.Array | None = None,
         logits_from: int = 0,
         return_hidden: bool = False,
+        shared_prefix: tuple[int, int] | None = None,
     ) -> ForwardOutput:
         """Forward pass; capture routing always, replay it (R3, Eq. 40) when ``routing`` is given.
 
@@ -178,6 +219,17 @@ class Transformer(nnx.Module):
           return_hidden: static; return the final-normed hidden states in ``hidden`` instead of
             logits (``logits`` is None), for a caller that applies ``lm_head_weight()`` itself
             (chunked log-probs).
+          shared_prefix: static ``(G, P)`` or None. Promises that the rows come in groups of G
+            consecutive rows whose first P positions are identical (tokens, ``input_mask``,
+            positions and replayed ``routing``), as the G samples of one prompt in a GRPO batch
+            are. The blocks then run on each group's P prefix positions once: the residual
+            stream is kept as [B/G, P + G·(T − P), d] (``unique_rows``), every per-token layer
+            (norms, projections, router, experts) runs on those rows, and attention lets each
+            row's own positions see the group's prefix keys (``layers.Attention``). Outputs
+            are expanded back to [B, T]; they are the same function of the parameters, values
+            and gradients (to float rounding), for ≈ (P + G·(T − P)) / (G·T) of the per-token
+            work. The promise is not checked here (the trainer checks each batch on the host);
+            rows that break it get their group's first row's prefix. Not with ``cache``.
         Returns:
           ``ForwardOutput``.
         """
@@ -214,23 +266,44 @@ class Transformer(nnx.Module):
             kv_mask = kv_mask.astype(jnp.bool_)
         if not 0 <= logits_from < t:
             raise ValueError(f"logits_from must lie in [0, {t}), got {logits_from}")
+        shared_prefix = _check_shared_prefix(shared_prefix, b, t)
+        if shared_prefix is not None and cache is not None:
+            raise ValueError("shared_prefix is for training passes, not with cache")
 
         act = ("batch", None, None)
+        token_weight = input_mask
+        if shared_prefix is not None:
+            # The shared-prefix layout (``unique_rows``); the load-balancing loss weighs each
+            # prefix position by G, as the G rows it stands for.
+            tokens, positions, kv_mask, input_mask = (
+                unique_rows(a, shared_prefix) for a in (tokens, positions, kv_mask, input_mask))
+            g, p = shared_prefix
+            prefix_weight = jnp.where(jnp.arange(input_mask.shape[1]) < p, g, 1)
+            token_weight = input_mask * prefix_weight[None]
+            if routing is not None:  # [L, B, T, k] → [L, B/G, P + G(T − P), k]
+                routing = jnp.moveaxis(unique_rows(jnp.moveaxis(routing, 0, 2), shared_prefix),
+                                       2, 0)
         # FSDP: gather the table (a parameter-sized all-gather) and look up locally; left to
         # itself GSPMD would instead move token-sized activations and ids to the table's layout.
         table = _sharding.constrain(self.embed_tokens[...], ("vocab", None))
         x = _sharding.constrain(jnp.take(table, tokens, axis=0).astype(cfg.dtype), act)
+        rope = rotary_tables(positions, cfg.head_dim, cfg.rope_theta)  # one for every block
         used, lb = [], []
         for moe, start, stop in cfg.layer_runs:
             ids = (cfg.moe_layer_ids if moe else cfg.dense_layer_ids)[start:stop]
             replay = None if (routing is None or not moe) else routing[start:stop]
             x, cache, idx, lbl = self._scan_run(
-                self.moe_layers if moe else self.dense_layers, start, stop, ids, x, positions,
-                kv_mask, cache, cache_index, replay, input_mask,
+                self.moe_layers if moe else self.dense_layers, start, stop, ids, x, rope,
+                kv_mask, cache, cache_index, replay, token_weight, shared_prefix,
             )
             if moe:
+                if shared_prefix is not None:  # [n, B/G, P + G(T − P), k] → [n, B, T, k]
+                    idx = jnp.moveaxis(expand_rows(jnp.moveaxis(idx, 0, 2), shared_prefix, t),
+                                       2, 0)
                 used.append(idx)
                 lb.append(lbl)
+        if shared_prefix is not None:
+            x = expand_rows(x, shared_prefix, t)
         h = _sharding.constrain(self.norm(x[:, logits_from:]), act)
         if return_hidden:
             logits, hidden = None, h
@@ -252,8 +325,8 @@ class Transformer(nnx.Module):
             hidden=hidden,
         )
 
-    def _scan_run(self, stack, start, stop, ids, x, positions, kv_mask, cache, cache_index,
-                  replay, input_mask):
+    def _scan_run(self, stack, start, stop, ids, x, rope, kv_mask, cache, cache_index,
+                  replay, token_weight, shared_prefix):
         """Blocks ``start:stop`` of ``stack`` (global indices ``ids``) as one ``lax.scan``."""
         cfg = self.config
         graphdef, state = nnx.split(stack)
@@ -266,9 +339,9 @@ class Transformer(nnx.Module):
             x, c = carry
             layer_state, layer, rp = xs
             block = nnx.merge(graphdef, layer_state)
-            x, c, idx, z = block(x, positions, kv_mask, c, cache_index, layer, rp)
+            x, c, idx, z = block(x, rope, kv_mask, c, cache_index, layer, rp, shared_prefix)
             x = _sharding.constrain(x, ("batch", None, None))
-            lbl = None if z is None else load_balancing_loss(z, k, input_mask)
+            lbl = None if z is None else load_balancing_loss(z, k, token_weight)
             return (x, c), (idx, lbl)
 
         if cache is None and cfg.remat != "none":

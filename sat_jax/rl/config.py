@@ -89,6 +89,7 @@ def loss_spec(config) -> trainer.LossSpec:
         temperature=float(config.rollout.temperature),
         router_aux=config.model.router_aux_loss_coef > 0,
         logprob_chunk=int(c.logprob_chunk) or None,
+        prompt_group=int(config.rollout.group_size) if c.share_prompt else 1,
     )
 
 
@@ -250,6 +251,8 @@ def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
     chunk = config.loss.logprob_chunk
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
         _fail(f"loss.logprob_chunk must be an int >= 0 (0: no chunking), got {chunk!r}")
+    if not isinstance(config.loss.share_prompt, bool):
+        _fail(f"loss.share_prompt must be a bool, got {config.loss.share_prompt!r}")
     try:
         lag_lib.LagSchedule(config.lag_mode, config.lag)
     except (ValueError, TypeError) as e:

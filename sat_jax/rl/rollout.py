@@ -53,7 +53,9 @@ class RolloutEngine:
 
     def start(self, params, examples: Sequence[Example], key: jax.Array) -> DecodeState:
         ids, lengths = self.encode(examples)
-        return self.sampler.init(params, ids, lengths, key, self.sampling)
+        # The G copies of each prompt are prefilled once (Sampler.init(group_size=)).
+        return self.sampler.init(params, ids, lengths, key, self.sampling,
+                                 group_size=self.group_size)
 
     def generate(self, params, examples, key, version: int) -> SampleOutput:
         state = self.start(params, examples, key)

@@ -55,6 +55,10 @@ class LossSpec:
     temperature: float = 1.0
     router_aux: bool = False  # add the model's load-balancing loss (router_aux_loss_coef > 0)
     logprob_chunk: int | None = None  # token_logprobs(chunk_size=): None = full [B, T, V]
+    # G > 1: the batch's rows are groups of G samples of one prompt, so a batch whose groups
+    # share their prompt slots (``RolloutBatch.shares_prompt``) runs the model's feed-forward
+    # layers on each prompt once (token_logprobs(shared_prefix=(G, prompt_width))).
+    prompt_group: int = 1
 
     @property
     def needs_old(self) -> bool:
@@ -99,7 +103,7 @@ def make_optimizer(
     return optax.chain(*parts)
 
 
-def _logprobs(graphdef, params, batch, spec: LossSpec, prompt_width: int):
+def _logprobs(graphdef, params, batch, spec: LossSpec, prompt_width: int, share: bool = False):
     return token_logprobs(
         graphdef,
         params,
@@ -110,22 +114,24 @@ def _logprobs(graphdef, params, batch, spec: LossSpec, prompt_width: int):
         cutoffs=batch.cutoffs if spec.support_replay else None,
         temperature=spec.temperature,
         chunk_size=spec.logprob_chunk,
+        shared_prefix=(spec.prompt_group, prompt_width) if share else None,
     )
 
 
 def policy_loss(params, batch: RolloutBatch, extra, *, graphdef, spec: LossSpec, prompt_width: int,
-                axis_name):
-    """Loss and metrics on one (local) shard of a batch; global over ``axis_name``."""
+                axis_name, share: bool = False):
+    """Loss and metrics on one (local) shard of a batch; global over ``axis_name``. ``share``:
+    the batch's groups share their prompts (``make_train_step``)."""
     old_logp = ref_logp = None
     if spec.needs_old:
         old_logp = jax.lax.stop_gradient(
-            _logprobs(graphdef, extra["old"], batch, spec, prompt_width)[0]
+            _logprobs(graphdef, extra["old"], batch, spec, prompt_width, share)[0]
         )
     if spec.needs_ref:
         ref_logp = jax.lax.stop_gradient(
-            _logprobs(graphdef, extra["ref"], batch, spec, prompt_width)[0]
+            _logprobs(graphdef, extra["ref"], batch, spec, prompt_width, share)[0]
         )
-    logp, entropy, aux = _logprobs(graphdef, params, batch, spec, prompt_width)
+    logp, entropy, aux = _logprobs(graphdef, params, batch, spec, prompt_width, share)
     loss, metrics = _objective(logp, entropy, old_logp, ref_logp, _loss_fields(batch), spec,
                                axis_name)
     if spec.router_aux:
@@ -233,6 +239,17 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
     reference, so the input parameters must survive the step. Off by default so that callers
     that step one state twice (tests, studies) keep working.
 
+    Shared prompts: with ``spec.prompt_group`` G > 1 the rows are taken as groups of G samples
+    of one prompt (the layout of ``RolloutBatch``). ``step(state, batch, extra, share=None)``
+    then checks the batch (``batch.shares_prompt``: each group's prompt slots, masks and, with
+    R3, replayed routing identical; a device batch is fetched for it, so a caller with the host
+    batch at hand checks that and passes ``share``; a traced batch, as under ``jax.vmap``, is
+    taken as not sharing unless ``share`` says so) and, when it holds, runs the program whose
+    log-prob passes compute each group's prompt once in the feed-forward layers
+    (``token_logprobs(shared_prefix=(G, prompt_width))``: same values and gradients to float
+    rounding, about (P + G·N)/(G·(P + N)) of the MoE work); otherwise the plain program,
+    compiled on first need.
+
     Raises (while tracing, before anything compiles):
       ValueError: the mesh does not divide the model or the batch, naming the axis and the
         dimension.
@@ -244,7 +261,7 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
         return _objective(local["logp"], local["entropy"], local.get("old"), local.get("ref"),
                           batch, spec, axis_name)
 
-    def train(params, opt_state, count, batch, extra):
+    def train(share, params, opt_state, count, batch, extra):
         model_cfg = nnx.merge(graphdef, params).config
         check_mesh(model_cfg, mesh, batch=batch.size)
         shardings = param_shardings(model_cfg, mesh)
@@ -258,12 +275,12 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
             local = {}
             if spec.needs_old:
                 local["old"] = jax.lax.stop_gradient(
-                    _logprobs(graphdef, extra["old"], batch, spec, prompt_width)[0])
+                    _logprobs(graphdef, extra["old"], batch, spec, prompt_width, share)[0])
             if spec.needs_ref:
                 local["ref"] = jax.lax.stop_gradient(
-                    _logprobs(graphdef, extra["ref"], batch, spec, prompt_width)[0])
+                    _logprobs(graphdef, extra["ref"], batch, spec, prompt_width, share)[0])
             local["logp"], local["entropy"], aux = _logprobs(graphdef, p, batch, spec,
-                                                             prompt_width)
+                                                             prompt_width, share)
             loss, metrics = smap(local, loss_fields)
             if spec.router_aux:  # the model's Switch loss, over the global batch
                 loss = loss + aux["aux_loss"]
@@ -280,21 +297,37 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
         metrics["optim/update_norm"] = optax.tree.norm(updates)
         return params, opt_state, count + 1, metrics
 
-    def train_on_mesh(*args):
-        # The model's activation constraints (sharding.constrain) read the mesh from here.
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return train(*args)
+    def on_mesh(share):
+        def train_on_mesh(*args):
+            # The model's activation constraints (sharding.constrain) read the mesh from here.
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return train(share, *args)
 
-    jitted = jax.jit(train_on_mesh, donate_argnums=(1,) if donate else ())
+        return jax.jit(train_on_mesh, donate_argnums=(1,) if donate else ())
 
-    def step(state: TrainState, batch, extra):
-        params, opt_state, count, metrics = jitted(state.params, state.opt_state, state.step,
-                                                   batch, extra)
+    # The spec's own program, and (compiled only if a batch ever needs it) the one that runs
+    # every row's prompt: a batch whose groups do not share their prompt slots.
+    grouped = spec.prompt_group > 1
+    jitted = on_mesh(grouped)
+    unshared = on_mesh(False) if grouped else jitted
+
+    def step(state: TrainState, batch, extra, *, share: bool | None = None):
+        if share is None:  # a traced batch (the step under vmap) cannot be checked: plain
+            traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(batch))
+            share = grouped and not traced and batch.shares_prompt(
+                spec.prompt_group, prompt_width, routing=spec.r3)
+        if share and not grouped:
+            raise ValueError("share=True needs a LossSpec with prompt_group > 1")
+        fn = jitted if share else unshared
+        params, opt_state, count, metrics = fn(state.params, state.opt_state, state.step,
+                                               batch, extra)
         return TrainState(params, opt_state, count), metrics
 
-    # The compiled program's handles, for tests and ahead-of-time compilation.
-    step._cache_size = jitted._cache_size
+    # The compiled program's handles, for tests and ahead-of-time compilation (``jitted`` is
+    # the spec's program: prompts shared when ``prompt_group > 1``).
+    step._cache_size = lambda: jitted._cache_size() + (unshared._cache_size() if grouped else 0)
     step.jitted = jitted
+    step.unshared = unshared
     step.args = lambda state, batch, extra: (state.params, state.opt_state, state.step, batch,
                                              extra)
     step.lower = lambda state, batch, extra: jitted.lower(state.params, state.opt_state,

@@ -127,7 +127,8 @@ def _shared_jit(sampler):
             _JIT_CACHE.move_to_end(key)
         else:
             # Bound to the first sampler with this key; every field the bodies read is in the key.
-            _JIT_CACHE[key] = (jax.jit(sampler._prefill_impl), jax.jit(sampler._decode_impl))
+            _JIT_CACHE[key] = (jax.jit(sampler._prefill_impl, static_argnums=6),
+                               jax.jit(sampler._decode_impl))
             if len(_JIT_CACHE) > _JIT_CACHE_SIZE:
                 _JIT_CACHE.popitem(last=False)
         return _JIT_CACHE[key]
@@ -194,6 +195,8 @@ class Sampler:
         prompt_lengths,
         key: jax.Array,
         sampling: SamplingParams | None = None,
+        *,
+        group_size: int = 1,
     ) -> DecodeState:
         """Validate and left-align the prompts, prefill the KV cache; no token is sampled yet.
 
@@ -203,8 +206,14 @@ class Sampler:
           prompt_lengths: [B] int in [1, W].
           key: PRNG key of the whole rollout.
           sampling: ``SamplingParams`` (default: temperature 1, no truncation).
+          group_size: G ≥ 1 dividing B: the rows are groups of G consecutive copies of one prompt
+            (a GRPO batch). The prefill then runs each prompt once and copies its KV cache and
+            routing to the group's rows (the same cache the G rows would compute, to float
+            rounding, for 1/G of the prefill); each row still samples its own response. Checked:
+            a group whose prompts differ is a ValueError.
         """
         tokens, mask, lengths = self._layout(prompts, prompt_lengths)
+        group_size = self._check_groups(tokens, mask, group_size)
         sampling = SamplingParams() if sampling is None else sampling
         sp = SamplingParams(
             jnp.asarray(sampling.temperature, jnp.float32),
@@ -213,7 +222,7 @@ class Sampler:
         )
         if not (np.asarray(sp.temperature) > 0 and 0 < np.asarray(sp.top_p) <= 1):
             raise ValueError(f"sampling needs temperature > 0 and top_p in (0, 1], got {sampling}")
-        return self._prefill(params, tokens, mask, lengths, key, sp)
+        return self._prefill(params, tokens, mask, lengths, key, sp, group_size)
 
     def decode(
         self, params: nnx.State, state: DecodeState, num_steps: int | None = None, version=0
@@ -254,9 +263,11 @@ class Sampler:
         key: jax.Array,
         sampling: SamplingParams | None = None,
         version=0,
+        *,
+        group_size: int = 1,
     ) -> SampleOutput:
         """``init`` + ``decode`` to the end with one parameter version + ``finalize``."""
-        state = self.init(params, prompts, prompt_lengths, key, sampling)
+        state = self.init(params, prompts, prompt_lengths, key, sampling, group_size=group_size)
         return self.finalize(self.decode(params, state, version=version))
 
     # ------------------------------------------------------------------ internals
@@ -290,7 +301,25 @@ class Sampler:
             mask[i, p - li : p] = True
         return jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(lengths)
 
-    def _prefill_impl(self, params, tokens, mask, lengths, key, sampling):
+    @staticmethod
+    def _check_groups(tokens, mask, group_size) -> int:
+        if (isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer))
+                or group_size < 1):
+            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        g, b = int(group_size), tokens.shape[0]
+        if b % g:
+            raise ValueError(f"group_size={g} must divide the number of prompts ({b})")
+        if g > 1:
+            for name, a in (("prompts", np.asarray(tokens)), ("prompt_lengths", np.asarray(mask))):
+                grouped = a.reshape(b // g, g, -1)
+                if not np.array_equal(grouped, np.broadcast_to(grouped[:, :1], grouped.shape)):
+                    bad = int(np.nonzero((grouped != grouped[:, :1]).any(axis=(1, 2)))[0][0])
+                    raise ValueError(
+                        f"group_size={g}: rows {bad * g}..{bad * g + g - 1} of {name} are not "
+                        "copies of one prompt")
+        return g
+
+    def _prefill_impl(self, params, tokens, mask, lengths, key, sampling, group=1):
         cfg = self.config
         b = tokens.shape[0]
         p, n = self.max_prompt_len, self.max_new_tokens
@@ -298,17 +327,21 @@ class Sampler:
         routing = jnp.zeros((cfg.num_moe_layers, b, p + n - 1, cfg.num_experts_per_tok), jnp.int32)
         if p > 1:  # the last prompt token is fed by the first decode step
             model = nnx.merge(self.graphdef, params)
+            # One row per group (``group_size``): the prompt's cache and routing, then copied.
+            rows = tokens[::group, : p - 1], mask[::group]
             out = model(
-                tokens[:, : p - 1],
-                input_mask=mask[:, : p - 1],
-                positions=positions_from_mask(mask[:, : p - 1]),
-                cache=cache,
+                rows[0],
+                input_mask=rows[1][:, : p - 1],
+                positions=positions_from_mask(rows[1][:, : p - 1]),
+                cache=init_cache(cfg, b // group, p + n) if group > 1 else cache,
                 cache_index=0,
-                kv_mask=mask,
+                kv_mask=rows[1],
                 logits_from=p - 2,
             )
             cache = out.cache
-            routing = routing.at[:, :, : p - 1].set(out.routing)
+            if group > 1:
+                cache = type(cache)(*(jnp.repeat(a, group, axis=1) for a in cache))
+            routing = routing.at[:, :, : p - 1].set(jnp.repeat(out.routing, group, axis=1))
         return DecodeState(
             tokens=tokens,
             input_mask=mask,

@@ -8,10 +8,12 @@
 * The step's HLO: no all-gather on a data-only mesh; on an FSDP mesh only parameter-shaped
   all-gathers (the SAT loss's statistics stay scalar psums, nothing token-sized is gathered).
 * A 2-block model of Qwen3-30B-A3B's widths compiles its train step abstractly.
+* The shared-prompt program (``LossSpec.prompt_group``) on a sharded mesh equals the plain step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -155,6 +157,51 @@ def test_sharded_step_equals_single_device_and_splits_memory(name, model, batch,
     # The updated state keeps the layout it came in with (no recompilation next step).
     for a, b in zip(before["shardings"], jax.tree.leaves(new_state), strict=True):
         assert a == b.sharding, (a, b.sharding)
+
+
+def test_shared_prompt_step_equals_plain_step(model):
+    """Groups of G = 2 rows sharing their prompt slots: the shared-prompt program on data 2 ×
+    fsdp 2 × expert 2 (two groups a device) equals the plain single-device step; a batch whose
+    groups differ runs the plain program."""
+    graphdef, params = model
+    fields = _batch(graphdef, params, rng_seed=1)
+    tokens, mask = fields["tokens"].copy(), fields["input_mask"].copy()
+    tokens[1::2, :P_W], mask[1::2, :P_W] = tokens[::2, :P_W], mask[::2, :P_W]
+    fields = _batch_from(graphdef, params, fields, tokens, mask)
+    host = _host_batch(fields)
+    assert host.shares_prompt(2, P_W)
+    _, _, want_state, want = _run(dict(num_data=1), graphdef, fields)
+
+    mesh = parallel.make_mesh(num_data=2, fsdp=2, expert=2)
+    spec = dataclasses.replace(SPEC, prompt_group=2)
+    state = trainer.init_train_state(init_model(CFG, seed=0, mesh=mesh)[1], OPT, mesh, config=CFG)
+    step = trainer.make_train_step(graphdef, OPT, spec, prompt_width=P_W, mesh=mesh)
+    new_state, metrics = step(state, host.shard(mesh), {})  # share=None: the step checks
+    assert (step.jitted._cache_size(), step.unshared._cache_size()) == (1, 0)
+    metrics = jax.device_get(metrics)
+    for k, v in want.items():
+        np.testing.assert_allclose(metrics[k], v, rtol=2e-3 if k in SENSITIVE else 2e-5,
+                                   atol=1e-7, err_msg=k)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
+                 jax.device_get(new_state.params), jax.device_get(want_state.params))
+
+    # One prompt token of row 3 changed: group 1 no longer shares, so the plain program runs.
+    tokens[3, P_W - 1] = (tokens[3, P_W - 1] + 1) % CFG.vocab_size
+    broken = _host_batch(_batch_from(graphdef, params, fields, tokens, mask))
+    assert not broken.shares_prompt(2, P_W)
+    step(state, broken.shard(mesh), {})
+    assert (step.jitted._cache_size(), step.unshared._cache_size()) == (1, 1)
+    with pytest.raises(ValueError, match="prompt_group > 1"):
+        trainer.make_train_step(graphdef, OPT, SPEC, prompt_width=P_W, mesh=mesh)(
+            state, broken.shard(mesh), {}, share=True)
+
+
+def _batch_from(graphdef, params, fields, tokens, mask):
+    """``fields`` with new tokens and masks, and the routing a fresh pass on them captures."""
+    aux = jax.jit(token_logprobs, static_argnames="response_start")(
+        graphdef, params, jnp.asarray(tokens), input_mask=jnp.asarray(mask),
+        response_start=P_W)[2]
+    return {**fields, "tokens": tokens, "input_mask": mask, "routing": np.asarray(aux["routing"])}
 
 
 def test_mesh_that_does_not_divide_is_one_clear_error(model, batch):
