@@ -2,7 +2,9 @@
 broadcast, and google-tunix's GRPO loop on the matching shape beside it.
 
 Runs the built-in default (tiny MoE, 2-digit addition, SAT-GSPO w/ R3) for a few dozen steps in
-``broadcast`` and in ``stream`` mode at the same settings and prints one JSON object. Steady-state
+``broadcast`` and in ``stream`` mode at the same settings, and in ``broadcast`` once more with
+``loss.share_prompt=False`` (every row computes its own prompt in the trainer and the prefill:
+``shared_over_plain``), and prints one JSON object. Steady-state
 figures skip the first steps (compilation); the first step's train time (compile included) is
 reported as ``first_step_train_s``.
 
@@ -57,8 +59,9 @@ PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "sha
                     "tunix_grpo_loop.py")
 
 
-def _config(workdir: str, steps: int, mode: str, lag: int):
+def _config(workdir: str, steps: int, mode: str, lag: int, share_prompt: bool = True):
     c = default_config.get_config()
+    c.loss.share_prompt = share_prompt
     c.workdir = workdir
     c.num_steps = steps
     c.lag_mode, c.lag = mode, lag
@@ -69,8 +72,8 @@ def _config(workdir: str, steps: int, mode: str, lag: int):
     return c
 
 
-def run(mode: str, steps: int, lag: int, workdir: str) -> dict:
-    c = _config(workdir, steps, mode, lag)
+def run(mode: str, steps: int, lag: int, workdir: str, share_prompt: bool = True) -> dict:
+    c = _config(workdir, steps, mode, lag, share_prompt)
     t0 = time.perf_counter()
     summary = learner.train(c, quiet=True)
     wall = time.perf_counter() - t0
@@ -224,6 +227,8 @@ def main():
     parser.add_argument("--lag", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20, help="rounds of the breakdown")
     parser.add_argument("--no-stream", action="store_true", help="skip the stream-mode run")
+    parser.add_argument("--no-plain", action="store_true",
+                        help="skip the run with loss.share_prompt=False (each row its own prompt)")
     parser.add_argument("--tunix-python", default="",
                         help="a python with google-tunix installed: run its GRPO loop beside")
     parser.add_argument("--tunix-script", default=PEER)
@@ -231,6 +236,9 @@ def main():
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         broadcast = run("broadcast", args.steps, args.lag, os.path.join(tmp, "broadcast"))
+        # The obvious alternative beside: every row computes its own prompt (trainer and prefill).
+        plain = None if args.no_plain else run("broadcast", args.steps, args.lag,
+                                               os.path.join(tmp, "plain"), share_prompt=False)
         stream = None if args.no_stream else run("stream", args.steps, args.lag,
                                                  os.path.join(tmp, "stream"))
         parts = breakdown(os.path.join(tmp, "breakdown"), args.lag, args.repeats)
@@ -246,6 +254,16 @@ def main():
         "broadcast": broadcast,
         "train_step_breakdown": parts,
     }
+    if plain is not None:
+        out["broadcast_without_shared_prompts"] = plain
+        out["shared_over_plain"] = {
+            "trainer_steps_per_s": round(broadcast["trainer_steps_per_s"]
+                                         / plain["trainer_steps_per_s"], 3),
+            "train_ms (plain / shared)": round(plain["median_train_ms"]
+                                               / broadcast["median_train_ms"], 3),
+            "rollout_ms (plain / shared)": round(plain["median_rollout_ms"]
+                                                 / broadcast["median_rollout_ms"], 3),
+        }
     if stream is not None:
         out["stream"] = stream
         out["stream_over_broadcast_steps_per_s"] = round(
