@@ -25,9 +25,7 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 from etils import epath
-from jax.experimental import multihost_utils
 
 from sat_jax import default_config, parallel
 from sat_jax.checkpoint import Checkpointer
@@ -197,20 +195,9 @@ class _Session:
         for _ in range(o.updates_per_batch):
             for mb in rollout.batch.minibatches(o.num_minibatches):
                 self.state, metrics = self.train_step(self.state, mb.shard(self.parts.mesh),
-                                                      extra, share=self._shares_prompt(mb))
+                                                      extra, share=trainer.shares_prompt(
+                    mb, self.parts.spec, self.config.data.max_prompt_len))
         return {k: float(v) for k, v in parallel.to_host(metrics).items()}
-
-    def _shares_prompt(self, batch) -> bool:
-        """The host check of the step's shared-prompt program (``LossSpec.prompt_group``), agreed
-        by every process (each holds its own rows; all must run the same program)."""
-        spec = self.parts.spec
-        if spec.prompt_group <= 1:
-            return False
-        ok = batch.shares_prompt(spec.prompt_group, self.config.data.max_prompt_len,
-                                 routing=spec.r3)
-        if jax.process_count() > 1:
-            ok = bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
-        return ok
 
     def record(self, step: int, rollout: Rollout, train: dict[str, float], train_s: float,
                step_s: float) -> None:

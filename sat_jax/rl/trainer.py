@@ -21,8 +21,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -243,8 +245,10 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
     of one prompt (the layout of ``RolloutBatch``). ``step(state, batch, extra, share=None)``
     then checks the batch (``batch.shares_prompt``: each group's prompt slots, masks and, with
     R3, replayed routing identical; a device batch is fetched for it, so a caller with the host
-    batch at hand checks that and passes ``share``; a traced batch, as under ``jax.vmap``, is
-    taken as not sharing unless ``share`` says so) and, when it holds, runs the program whose
+    batch at hand checks that and passes ``share``; a traced batch, as under ``jax.vmap``, or
+    one spread over several processes is taken as not sharing unless ``share`` says so; the
+    learner checks its host batch and agrees across processes) and, when it holds, runs the
+    program whose
     log-prob passes compute each group's prompt once in the feed-forward layers
     (``token_logprobs(shared_prefix=(G, prompt_width))``: same values and gradients to float
     rounding, about (P + G·N)/(G·(P + N)) of the MoE work); otherwise the plain program,
@@ -312,9 +316,13 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
     unshared = on_mesh(False) if grouped else jitted
 
     def step(state: TrainState, batch, extra, *, share: bool | None = None):
-        if share is None:  # a traced batch (the step under vmap) cannot be checked: plain
-            traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(batch))
-            share = grouped and not traced and batch.shares_prompt(
+        if share is None:
+            # A traced batch (the step under vmap) cannot be checked, nor, without the other
+            # processes agreeing, a batch spread over them: those run the plain program.
+            leaves = jax.tree.leaves(batch)
+            checkable = not any(isinstance(x, jax.core.Tracer) or (
+                isinstance(x, jax.Array) and not x.is_fully_addressable) for x in leaves)
+            share = grouped and checkable and batch.shares_prompt(
                 spec.prompt_group, prompt_width, routing=spec.r3)
         if share and not grouped:
             raise ValueError("share=True needs a LossSpec with prompt_group > 1")
@@ -333,6 +341,19 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
     step.lower = lambda state, batch, extra: jitted.lower(state.params, state.opt_state,
                                                           state.step, batch, extra)
     return step
+
+
+def shares_prompt(batch: RolloutBatch, spec: LossSpec, prompt_width: int) -> bool:
+    """Whether the step may run its shared-prompt program on ``batch``: ``spec.prompt_group`` > 1
+    and every group's prompt slots identical (``RolloutBatch.shares_prompt``, with routing under
+    R3) in this process's host ``batch``, agreed by every process (each holds its own rows, and
+    all must run the same program). Pass the result as ``step(..., share=)``."""
+    if spec.prompt_group <= 1:
+        return False
+    ok = batch.shares_prompt(spec.prompt_group, prompt_width, routing=spec.r3)
+    if jax.process_count() > 1:
+        ok = bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+    return ok
 
 
 def init_train_state(params: nnx.State, optimizer, mesh=None, *, config=None) -> TrainState:

@@ -50,7 +50,10 @@ def main():
                                    prompt_width=c.data.max_prompt_len, mesh=parts.mesh)
     state = trainer.init_train_state(parts.params, parts.optimizer)
     for _ in range(3):
-        state, metrics = step(state, mine.shard(parts.mesh), {})
+        # Each process checks its own rows; they agree on the shared-prompt program.
+        share = trainer.shares_prompt(mine, parts.spec, c.data.max_prompt_len)
+        assert share, "the sampler's groups share their prompts"
+        state, metrics = step(state, mine.shard(parts.mesh), {}, share=share)
     params = parallel.to_host(state.params)
     leaves = jax.tree_util.tree_leaves(params)
     if jax.process_index() == 0:
