@@ -137,10 +137,9 @@ def breakdown(workdir: str, lag: int, repeats: int) -> dict:
                                      config=parts.model_cfg)
     extra = dict(rollout.behaviour)
     params = state.params
-    # The step's program: each group's prompt once in the feed-forward layers when the batch
-    # allows it (loss.share_prompt, on by default); the pieces below time the same pass.
-    share = spec.prompt_group > 1 and host_batch.shares_prompt(spec.prompt_group, pw,
-                                                                routing=spec.r3)
+    # The step's program: each group's prompt once in every block when the batch allows it
+    # (loss.share_prompt, on by default); the pieces below time the same pass.
+    share = trainer.shares_prompt(host_batch, spec, pw)
 
     def logprobs(p, b):
         logp, entropy, _ = trainer._logprobs(graphdef, p, b, spec, pw, share)

@@ -116,9 +116,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Training log-probs in chunks of this many positions (0: the whole [B, T, V] at once); the
     # LM head's logits then take O(B * chunk * V) memory instead of O(B * T * V).
     c.loss.logprob_chunk = 0
-    # The G samples of a prompt share its prompt slots: the trainer's log-prob passes run the
-    # MoE/MLP layers on each prompt once (same values and gradients; a batch whose groups differ
-    # there, checked on the host, gets the plain program). False: every row computes its own.
+    # The G samples of a prompt share its prompt slots: the trainer's log-prob passes run every
+    # block on each prompt once (same values and gradients; a batch whose groups differ there,
+    # checked on the host, gets the plain program). False: every row computes its own.
     c.loss.share_prompt = True
 
     # Optimizer (Adam β = (0.9, 0.98) as in the paper).

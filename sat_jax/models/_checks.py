@@ -48,3 +48,14 @@ def check_token_ids(name: str, tokens: chex.Array, vocab_size: int, where=None) 
         raise ValueError(
             f"{name} holds token ids outside [0, {vocab_size}): min {t.min()}, max {t.max()}"
         )
+
+
+def first_differing_group(a, group_size: int) -> int | None:
+    """The index of the first group of ``group_size`` consecutive rows (axis 0) of host array
+    ``a`` whose rows are not all equal to the group's first row; None when every group's are.
+    ``a.shape[0]`` must be a multiple of ``group_size``."""
+    a = np.asarray(a)
+    grouped = a.reshape((a.shape[0] // group_size, group_size) + a.shape[1:])
+    differs = (grouped != grouped[:, :1]).reshape(grouped.shape[0], -1).any(axis=1)
+    bad = np.flatnonzero(differs)
+    return int(bad[0]) if bad.size else None

@@ -205,7 +205,8 @@ def _shared_prefix_attention(q, k, v, kv_mask, shared_prefix):
         return jnp.concatenate([prefix.reshape((n * grp, p) + a.shape[2:]), rows(a)], axis=1)
 
     own = _causal_allowed(r, r, rows(kv_mask))
-    prefix_mask = jnp.broadcast_to(with_prefix(kv_mask)[:, None, :p], (n * grp, r, p))
+    prefix_mask = jnp.broadcast_to(kv_mask[:, None, None, :p], (n, grp, r, p)).reshape(
+        n * grp, r, p)
     out_rows = _attend(rows(q), with_prefix(k), with_prefix(v),
                        jnp.concatenate([prefix_mask, own], axis=2))
     return jnp.concatenate([out_prefix, out_rows.reshape((n, grp * r) + q.shape[2:])], axis=1)

@@ -217,8 +217,8 @@ def token_logprobs(
       chunk_size: None (full logits) or positions per chunk, a positive Python int.
       shared_prefix: static ``(G, P)`` or None: the rows come in groups of G whose first P fed
         tokens (prompt slots, masks and replayed routing) are identical, as a GRPO batch's G
-        samples of a prompt with ``P = response_start`` are; the feed-forward layers then run
-        those positions once per group (``Transformer.__call__``). Same values and gradients.
+        samples of a prompt with ``P = response_start`` are; every block then runs those
+        positions once per group (``Transformer.__call__``). Same values and gradients.
     Returns:
       logp: [B, T − s] float32.
       entropy: [B, T − s] float32, entropy of the (replayed-support) distribution at each position.

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sat_jax.models import _checks
 from sat_jax.models.sharding import BATCH_AXES
 
 # Fields whose batch dimension is not axis 0.
@@ -120,11 +121,7 @@ class RolloutBatch:
         fields = [np.asarray(self.tokens[:, :p]), np.asarray(self.input_mask[:, :p])]
         if routing:
             fields.append(np.moveaxis(np.asarray(self.routing[:, :, :p]), 1, 0))
-        for a in fields:
-            grouped = a.reshape((self.size // g, g) + a.shape[1:])
-            if not np.array_equal(grouped, np.broadcast_to(grouped[:, :1], grouped.shape)):
-                return False
-        return True
+        return all(_checks.first_differing_group(a, g) is None for a in fields)
 
     def minibatches(self, num: int) -> Iterator[RolloutBatch]:
         """``num`` equal, contiguous minibatches (whole groups when ``num`` divides the prompts)."""

@@ -194,9 +194,9 @@ class _Session:
         o = self.config.optim
         for _ in range(o.updates_per_batch):
             for mb in rollout.batch.minibatches(o.num_minibatches):
+                share = trainer.shares_prompt(mb, self.parts.spec, self.config.data.max_prompt_len)
                 self.state, metrics = self.train_step(self.state, mb.shard(self.parts.mesh),
-                                                      extra, share=trainer.shares_prompt(
-                    mb, self.parts.spec, self.config.data.max_prompt_len))
+                                                      extra, share=share)
         return {k: float(v) for k, v in parallel.to_host(metrics).items()}
 
     def record(self, step: int, rollout: Rollout, train: dict[str, float], train_s: float,

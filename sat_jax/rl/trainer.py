@@ -58,8 +58,8 @@ class LossSpec:
     router_aux: bool = False  # add the model's load-balancing loss (router_aux_loss_coef > 0)
     logprob_chunk: int | None = None  # token_logprobs(chunk_size=): None = full [B, T, V]
     # G > 1: the batch's rows are groups of G samples of one prompt, so a batch whose groups
-    # share their prompt slots (``RolloutBatch.shares_prompt``) runs the model's feed-forward
-    # layers on each prompt once (token_logprobs(shared_prefix=(G, prompt_width))).
+    # share their prompt slots (``RolloutBatch.shares_prompt``) runs the model's blocks on
+    # each prompt once (token_logprobs(shared_prefix=(G, prompt_width))).
     prompt_group: int = 1
 
     @property
@@ -247,12 +247,11 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
     R3, replayed routing identical; a device batch is fetched for it, so a caller with the host
     batch at hand checks that and passes ``share``; a traced batch, as under ``jax.vmap``, or
     one spread over several processes is taken as not sharing unless ``share`` says so; the
-    learner checks its host batch and agrees across processes) and, when it holds, runs the
-    program whose
-    log-prob passes compute each group's prompt once in the feed-forward layers
-    (``token_logprobs(shared_prefix=(G, prompt_width))``: same values and gradients to float
-    rounding, about (P + G·N)/(G·(P + N)) of the MoE work); otherwise the plain program,
-    compiled on first need.
+    learner checks its host batch with ``shares_prompt`` and agrees across processes) and, when
+    it holds, runs the program whose log-prob passes compute each group's prompt once in every
+    block (``token_logprobs(shared_prefix=(G, prompt_width))``: same values and gradients to
+    float rounding, about (P + G·N)/(G·(P + N)) of the per-token work); otherwise the plain
+    program, compiled on first need.
 
     Raises (while tracing, before anything compiles):
       ValueError: the mesh does not divide the model or the batch, naming the axis and the
@@ -319,11 +318,10 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
         if share is None:
             # A traced batch (the step under vmap) cannot be checked, nor, without the other
             # processes agreeing, a batch spread over them: those run the plain program.
-            leaves = jax.tree.leaves(batch)
             checkable = not any(isinstance(x, jax.core.Tracer) or (
-                isinstance(x, jax.Array) and not x.is_fully_addressable) for x in leaves)
-            share = grouped and checkable and batch.shares_prompt(
-                spec.prompt_group, prompt_width, routing=spec.r3)
+                isinstance(x, jax.Array) and not x.is_fully_addressable)
+                for x in jax.tree.leaves(batch))
+            share = checkable and shares_prompt(batch, spec, prompt_width)
         if share and not grouped:
             raise ValueError("share=True needs a LossSpec with prompt_group > 1")
         fn = jitted if share else unshared

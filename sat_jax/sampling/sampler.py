@@ -309,14 +309,11 @@ class Sampler:
         g, b = int(group_size), tokens.shape[0]
         if b % g:
             raise ValueError(f"group_size={g} must divide the number of prompts ({b})")
-        if g > 1:
-            for name, a in (("prompts", np.asarray(tokens)), ("prompt_lengths", np.asarray(mask))):
-                grouped = a.reshape(b // g, g, -1)
-                if not np.array_equal(grouped, np.broadcast_to(grouped[:, :1], grouped.shape)):
-                    bad = int(np.nonzero((grouped != grouped[:, :1]).any(axis=(1, 2)))[0][0])
-                    raise ValueError(
-                        f"group_size={g}: rows {bad * g}..{bad * g + g - 1} of {name} are not "
-                        "copies of one prompt")
+        for name, a in (("prompts", tokens), ("prompt_lengths", mask)):
+            bad = _checks.first_differing_group(a, g) if g > 1 else None
+            if bad is not None:
+                raise ValueError(f"group_size={g}: rows {bad * g}..{bad * g + g - 1} of {name} "
+                                 "are not copies of one prompt")
         return g
 
     def _prefill_impl(self, params, tokens, mask, lengths, key, sampling, group=1):
@@ -328,19 +325,17 @@ class Sampler:
         if p > 1:  # the last prompt token is fed by the first decode step
             model = nnx.merge(self.graphdef, params)
             # One row per group (``group_size``): the prompt's cache and routing, then copied.
-            rows = tokens[::group, : p - 1], mask[::group]
+            first_mask = mask[::group]
             out = model(
-                rows[0],
-                input_mask=rows[1][:, : p - 1],
-                positions=positions_from_mask(rows[1][:, : p - 1]),
-                cache=init_cache(cfg, b // group, p + n) if group > 1 else cache,
+                tokens[::group, : p - 1],
+                input_mask=first_mask[:, : p - 1],
+                positions=positions_from_mask(first_mask[:, : p - 1]),
+                cache=init_cache(cfg, b // group, p + n),
                 cache_index=0,
-                kv_mask=rows[1],
+                kv_mask=first_mask,
                 logits_from=p - 2,
             )
-            cache = out.cache
-            if group > 1:
-                cache = type(cache)(*(jnp.repeat(a, group, axis=1) for a in cache))
+            cache = jax.tree.map(lambda a: jnp.repeat(a, group, axis=1), out.cache)
             routing = routing.at[:, :, : p - 1].set(jnp.repeat(out.routing, group, axis=1))
         return DecodeState(
             tokens=tokens,
