@@ -76,6 +76,14 @@ permutation). ``_dispatch`` gathers each row from its token (not from a [N·k, d
 tokens) and reads padding rows from an appended zero row; on one device (no sink pairs) no
 gather needs XLA's out-of-range fill, a select over the whole gathered buffer on XLA:CPU.
 
+``blocked`` goes one step further: dispatch, the three expert matmuls and the combine are one
+function with its own VJP (``_blocked_ffn``), whose backward keeps only the gate and up
+activations [R, f] and regathers the rows and block weights. Plain autodiff of the same program
+kept the gathered rows [R, d], the gathered weights [nb, d, f] ×3 and the outputs, stacked over
+layers inside the blocks' scan. Measured on the transformers-peer shape (4 layers of 32 experts
+top-4, d 128, f 32, batch 8 × 144; ``token_logprobs`` forward + backward, compiled in one process,
+interleaved, 5 rounds): XLA's temp buffer 147 → 97 MB, time 180 → 168 ms (medians).
+
 Expert parallelism (``mesh`` with an ``expert_axis`` of size P > 1; experts split in P contiguous
 ranges of E/P, ``gate_proj`` etc. sharded on axis 0 over it): a ``jax.shard_map`` over that axis
 only (the other mesh axes stay with the compiler), in which each device runs the chosen path on
@@ -291,13 +299,14 @@ def _local_ffn(path, x, indices, weights, gate_proj, up_proj, down_proj, *, offs
     # ep = 1 (offset a Python 0): every pair is local, so row_of_pair is in range everywhere and
     # its gathers need no out-of-range fill (a select over the gathered buffer on XLA:CPU).
     sink = not (isinstance(offset, int) and offset == 0)
+    if path == "blocked":
+        with jax.named_scope("experts"):
+            return _blocked_ffn(x, weights, gate_proj, up_proj, down_proj, pair_of_row,
+                                row_of_pair.reshape(n, k), block_expert, sink)
     with jax.named_scope("dispatch"):
         x_rows = _dispatch(x, pair_of_row, row_of_pair.reshape(n, k), sink)  # padding rows: 0
     with jax.named_scope("experts"):
-        if path == "ragged":
-            y_rows = _ragged_experts(x_rows, sizes, gate_proj, up_proj, down_proj)
-        else:
-            y_rows = _blocked_experts(x_rows, block_expert, block, gate_proj, up_proj, down_proj)
+        y_rows = _ragged_experts(x_rows, sizes, gate_proj, up_proj, down_proj)
     with jax.named_scope("combine"):
         return _combine(y_rows, weights, row_of_pair.reshape(n, k), pair_of_row, sink)
 
@@ -324,18 +333,97 @@ def _ragged_experts(x_rows, sizes, gate_proj, up_proj, down_proj):
     return jnp.where(valid[:, None], y, 0)
 
 
-def _blocked_experts(x_rows, block_expert, block, gate_proj, up_proj, down_proj):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _blocked_ffn(x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair,
+                 block_expert, sink):
+    """Dispatch, the blocked expert matmuls and the combine as one function with its own VJP.
+
+    Rows r < R = nb·B of the sorted buffer: token τ(r) = pair_of_row[r] // k (N, an appended
+    zero row, for padding rows), gate w_r (0 on padding rows), expert ε(b) = block_expert[b] of
+    its block b. Forward, per block (one batched matmul over blocks for each of the three):
+
+        g = X_b·G_ε(b),  u = X_b·U_ε(b),  h = silu(g) ⊙ u,  y_rows = h·D_ε(b)
+        y[n] = Σ_j w[n, j] · y_rows[row_of_pair[n, j]]
+
+    The backward keeps only g and u [R, f] (and the inputs): the gathered rows X and weights,
+    h and y_rows are recomputed or never needed, where plain autodiff would store all of them
+    (inside the blocks' scan, stacked over layers: ≈ 10× the bytes). With ∂y_rows[r] =
+    ∂y[τ(r)] (the unweighted cotangent) and c = ∂y_rows·D_ε(b)ᵀ:
+
+        ∂w(pair of r) = ⟨c_r, h_r⟩   (= ⟨∂y[τ(r)], y_rows[r]⟩, without y_rows)
+        ∂h = w ⊙ c,   ∂D_e = Σ_{b: ε(b)=e} h_bᵀ·(w ⊙ ∂y_rows)_b
+        ∂g = ∂h ⊙ u ⊙ silu'(g),   ∂u = ∂h ⊙ silu(g)
+        ∂G_e = Σ_b X_bᵀ·∂g_b,  ∂U_e = Σ_b X_bᵀ·∂u_b,  ∂X = ∂g·Gᵀ + ∂u·Uᵀ
+        ∂x[n] = Σ_j ∂X[row_of_pair[n, j]]
+
+    The sums over blocks of one expert are a scatter-add of [d, f] windows at sorted indices.
+    ``sink``: pairs of other devices' experts (row sentinel R) read 0.
+    """
+    y, _ = _blocked_ffn_fwd(x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair,
+                            block_expert, sink)
+    return y
+
+
+def _blocked_rows(x, weights, pair_of_row, row_of_pair):
+    """The sorted rows' tokens X [R, d] and gates w [R] (padding rows: 0)."""
+    n, k = row_of_pair.shape
+    x_rows = _with_zero_row(x).at[pair_of_row // k].get(mode="promise_in_bounds")
+    w_rows = _with_zero_row(weights.reshape(n * k)).at[pair_of_row].get(mode="promise_in_bounds")
+    return x_rows, w_rows
+
+
+def _of_blocks(w, block_expert):  # [E, ...] → [nb, ...]; block_expert lies in [0, E), no fill
+    return w.at[block_expert].get(mode="promise_in_bounds")
+
+
+def _blocked_ffn_fwd(x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair,
+                     block_expert, sink):
     nb = block_expert.shape[0]
-    xb = x_rows.reshape(nb, block, x_rows.shape[1])
-
-    def weights_of_blocks(w):  # block_expert lies in [0, E): no out-of-range fill (a select)
-        return w.at[block_expert].get(mode="promise_in_bounds")
-
-    g = jnp.einsum("bnd,bdf->bnf", xb, weights_of_blocks(gate_proj))
-    u = jnp.einsum("bnd,bdf->bnf", xb, weights_of_blocks(up_proj))
+    x_rows, w_rows = _blocked_rows(x, weights, pair_of_row, row_of_pair)
+    xb = x_rows.reshape(nb, -1, x.shape[1])
+    g = jnp.einsum("bnd,bdf->bnf", xb, _of_blocks(gate_proj, block_expert))
+    u = jnp.einsum("bnd,bdf->bnf", xb, _of_blocks(up_proj, block_expert))
     h = jax.nn.silu(g) * u
-    y = jnp.einsum("bnf,bfd->bnd", h, weights_of_blocks(down_proj))
-    return y.reshape(nb * block, -1)
+    y_rows = jnp.einsum("bnf,bfd->bnd", h, _of_blocks(down_proj, block_expert))
+    y_rows = (y_rows.reshape(x_rows.shape) * w_rows[:, None]).astype(x.dtype)
+    y = jnp.sum(_gather_rows(y_rows, row_of_pair, not sink), axis=1)
+    res = (x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair, block_expert,
+           g, u)
+    return y, res
+
+
+def _blocked_ffn_bwd(sink, res, g_y):
+    x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair, block_expert, g, u = res
+    nb, block, _ = g.shape
+    k = row_of_pair.shape[1]
+    x_rows, w_rows = _blocked_rows(x, weights, pair_of_row, row_of_pair)
+    xb = x_rows.reshape(nb, block, -1)
+    dyb = _with_zero_row(g_y).at[pair_of_row // k].get(mode="promise_in_bounds").reshape(xb.shape)
+    w_b = w_rows.reshape(nb, block, 1).astype(g.dtype)
+    c = jnp.einsum("bnd,bfd->bnf", dyb, _of_blocks(down_proj, block_expert))
+    sg = jax.nn.silu(g)
+    h = sg * u
+    g_w_rows = jnp.sum((c * h).astype(jnp.float32), axis=-1).reshape(-1)
+    g_w = _gather_rows(g_w_rows, row_of_pair, not sink).astype(weights.dtype)
+    dh = w_b * c
+    sig = jax.nn.sigmoid(g)
+    dg = dh * u * (sig * (1 + g * (1 - sig)))
+    du = dh * sg
+
+    def to_experts(per_block, like):  # Σ over each expert's blocks (sorted): a window scatter
+        return jnp.zeros_like(like).at[block_expert].add(
+            per_block.astype(like.dtype), indices_are_sorted=True, mode="promise_in_bounds")
+
+    g_down = to_experts(jnp.einsum("bnf,bnd->bfd", h, dyb * w_b), down_proj)
+    g_gate = to_experts(jnp.einsum("bnd,bnf->bdf", xb, dg), gate_proj)
+    g_up = to_experts(jnp.einsum("bnd,bnf->bdf", xb, du), up_proj)
+    g_rows = (jnp.einsum("bnf,bdf->bnd", dg, _of_blocks(gate_proj, block_expert))
+              + jnp.einsum("bnf,bdf->bnd", du, _of_blocks(up_proj, block_expert)))
+    g_x = jnp.sum(_gather_rows(g_rows.reshape(x_rows.shape), row_of_pair, not sink), axis=1)
+    return (g_x.astype(x.dtype), g_w, g_gate, g_up, g_down, None, None, None)
+
+
+_blocked_ffn.defvjp(_blocked_ffn_fwd, _blocked_ffn_bwd)
 
 
 def _gather_rows(src, index, in_range: bool):
@@ -430,6 +518,11 @@ def _sharded(x, indices, weights, gate_proj, up_proj, down_proj, *, impl, platfo
     path = _resolve(impl, platform, (n + n_pad) // shards, k, e_local, block_size)
 
     def body(xs, idx, w, gp, up, dp):
+        if token_axes:
+            # The expert weights are the same on every row shard; the blocked path's custom VJP
+            # returns their cotangent per shard, so they enter it as per-shard values (this
+            # cast's transpose is the psum over the row shards that autodiff would insert).
+            gp, up, dp = (jax.lax.pcast(a, token_axes, to="varying") for a in (gp, up, dp))
         if ep == 1:
             return _local_ffn(path, xs, idx, w, gp, up, dp, offset=0, block_size=block_size)
         if split_tokens:

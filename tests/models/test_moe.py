@@ -109,6 +109,21 @@ def test_blocked_any_block_size(block):
     _assert_same(_value_and_grads("blocked", idx, block_size=block)(x, w, gp, up, dp), want)
 
 
+def test_blocked_backward_keeps_only_gate_and_up_activations():
+    # What the VJP closes over: the inputs, the routing maps (ints) and the [nb, B, F] gate and
+    # up activations; not the gathered rows [R, D], block weights [nb, D, F] or outputs.
+    (x, gp, up, dp), key = _params(4)
+    idx, w = _routing("topk", key)
+    block = 4
+    nb = moe._num_blocks(N * K, E, block)
+    _, vjp = jax.vjp(lambda *a: expert_ffn(*a, impl="blocked", block_size=block),
+                     x, idx, w, gp, up, dp)
+    floats = [a for a in jax.tree.leaves(vjp) if jnp.issubdtype(a.dtype, jnp.floating)]
+    inputs = {a.shape for a in (x, w, gp, up, dp)}
+    extra = sorted(a.shape for a in floats if a.shape not in inputs)
+    assert extra == [(nb, block, F), (nb, block, F)]
+
+
 def test_bfloat16_close_to_dense():
     (x, gp, up, dp), key = _params(2, jnp.bfloat16)
     idx, w = _routing("topk", key)
