@@ -364,29 +364,21 @@ def _blocked_ffn(x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_
     return y
 
 
-def _blocked_rows(x, weights, pair_of_row, row_of_pair):
-    """The sorted rows' tokens X [R, d] and gates w [R] (padding rows: 0)."""
-    n, k = row_of_pair.shape
-    x_rows = _with_zero_row(x).at[pair_of_row // k].get(mode="promise_in_bounds")
-    w_rows = _with_zero_row(weights.reshape(n * k)).at[pair_of_row].get(mode="promise_in_bounds")
-    return x_rows, w_rows
-
-
 def _of_blocks(w, block_expert):  # [E, ...] → [nb, ...]; block_expert lies in [0, E), no fill
     return w.at[block_expert].get(mode="promise_in_bounds")
 
 
 def _blocked_ffn_fwd(x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair,
                      block_expert, sink):
-    nb = block_expert.shape[0]
-    x_rows, w_rows = _blocked_rows(x, weights, pair_of_row, row_of_pair)
+    nb, k = block_expert.shape[0], row_of_pair.shape[1]
+    x_rows, w_rows = _token_rows(x, pair_of_row, k), _pair_rows(weights, pair_of_row)
     xb = x_rows.reshape(nb, -1, x.shape[1])
     g = jnp.einsum("bnd,bdf->bnf", xb, _of_blocks(gate_proj, block_expert))
     u = jnp.einsum("bnd,bdf->bnf", xb, _of_blocks(up_proj, block_expert))
     h = jax.nn.silu(g) * u
     y_rows = jnp.einsum("bnf,bfd->bnd", h, _of_blocks(down_proj, block_expert))
     y_rows = (y_rows.reshape(x_rows.shape) * w_rows[:, None]).astype(x.dtype)
-    y = jnp.sum(_gather_rows(y_rows, row_of_pair, not sink), axis=1)
+    y = _sum_pairs(y_rows, row_of_pair, sink)
     res = (x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair, block_expert,
            g, u)
     return y, res
@@ -396,10 +388,10 @@ def _blocked_ffn_bwd(sink, res, g_y):
     x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair, block_expert, g, u = res
     nb, block, _ = g.shape
     k = row_of_pair.shape[1]
-    x_rows, w_rows = _blocked_rows(x, weights, pair_of_row, row_of_pair)
+    x_rows = _token_rows(x, pair_of_row, k)
     xb = x_rows.reshape(nb, block, -1)
-    dyb = _with_zero_row(g_y).at[pair_of_row // k].get(mode="promise_in_bounds").reshape(xb.shape)
-    w_b = w_rows.reshape(nb, block, 1).astype(g.dtype)
+    dyb = _token_rows(g_y, pair_of_row, k).reshape(xb.shape)
+    w_b = _pair_rows(weights, pair_of_row).reshape(nb, block, 1).astype(g.dtype)
     c = jnp.einsum("bnd,bfd->bnf", dyb, _of_blocks(down_proj, block_expert))
     sg = jax.nn.silu(g)
     h = sg * u
@@ -419,7 +411,7 @@ def _blocked_ffn_bwd(sink, res, g_y):
     g_up = to_experts(jnp.einsum("bnd,bnf->bdf", xb, du), up_proj)
     g_rows = (jnp.einsum("bnf,bdf->bnd", dg, _of_blocks(gate_proj, block_expert))
               + jnp.einsum("bnf,bdf->bnd", du, _of_blocks(up_proj, block_expert)))
-    g_x = jnp.sum(_gather_rows(g_rows.reshape(x_rows.shape), row_of_pair, not sink), axis=1)
+    g_x = _sum_pairs(g_rows.reshape(x_rows.shape), row_of_pair, sink)
     return (g_x.astype(x.dtype), g_w, g_gate, g_up, g_down, None, None, None)
 
 
@@ -439,6 +431,26 @@ def _with_zero_row(a):
     return jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)], axis=0)
 
 
+# The two maps between the sorted rows and the (token, slot) pairs, as gathers:
+
+
+def _token_rows(a, pair_of_row, k: int):
+    """a[token of row r] for every row: [N, ...] → [R, ...], 0 on padding rows (whose pair, the
+    sentinel N·k, reads the appended zero row)."""
+    return _with_zero_row(a).at[pair_of_row // k].get(mode="promise_in_bounds")
+
+
+def _pair_rows(weights, pair_of_row):
+    """weights[pair of row r]: [N, k] → [R], 0 on padding rows."""
+    flat = weights.reshape(weights.shape[0] * weights.shape[1])
+    return _with_zero_row(flat).at[pair_of_row].get(mode="promise_in_bounds")
+
+
+def _sum_pairs(rows, row_of_pair, sink: bool):
+    """Σ_j rows[row_of_pair[n, j]]: [R, ...] → [N, ...] (sink pairs, out of range: 0)."""
+    return jnp.sum(_gather_rows(rows, row_of_pair, not sink), axis=1)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dispatch(x, pair_of_row, row_of_pair, sink):
     """x_rows[r] = x[pair_of_row[r] // k] (the token of row r's pair), 0 on padding rows.
@@ -448,8 +460,7 @@ def _dispatch(x, pair_of_row, row_of_pair, sink):
     Transpose: each computed pair owns exactly one row, so g_x[n] = Σ_j g_rows[row_of_pair[n, j]]
     is a gather and a sum over k (no scatter-add), with a fill only for sink pairs (``sink``).
     """
-    k = row_of_pair.shape[1]
-    return _with_zero_row(x).at[pair_of_row // k].get(mode="promise_in_bounds")
+    return _token_rows(x, pair_of_row, row_of_pair.shape[1])
 
 
 def _dispatch_fwd(x, pair_of_row, row_of_pair, sink):
@@ -457,8 +468,7 @@ def _dispatch_fwd(x, pair_of_row, row_of_pair, sink):
 
 
 def _dispatch_bwd(sink, row_of_pair, g_rows):
-    g_x = jnp.sum(_gather_rows(g_rows, row_of_pair, not sink), axis=1)
-    return g_x, None, None
+    return _sum_pairs(g_rows, row_of_pair, sink), None, None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -472,23 +482,19 @@ def _combine(y_rows, weights, row_of_pair, pair_of_row, sink):
     sentinel m, reads an appended zero weight and zero cotangent); g_w[n, j] = g_y[n] ·
     y_rows[row_of_pair[n, j]]. Gathers only, no scatter-add.
     """
-    y_pairs = _gather_rows(y_rows, row_of_pair, not sink)  # [N, k, d]
-    return jnp.einsum("nk,nkd->nd", weights, y_pairs)
+    return _combine_fwd(y_rows, weights, row_of_pair, pair_of_row, sink)[0]
 
 
 def _combine_fwd(y_rows, weights, row_of_pair, pair_of_row, sink):
-    y_pairs = _gather_rows(y_rows, row_of_pair, not sink)
+    y_pairs = _gather_rows(y_rows, row_of_pair, not sink)  # [N, k, d]
     return jnp.einsum("nk,nkd->nd", weights, y_pairs), (y_pairs, weights, pair_of_row)
 
 
 def _combine_bwd(sink, res, g_y):
     y_pairs, weights, pair_of_row = res
-    n, k = weights.shape
     g_w = jnp.einsum("nd,nkd->nk", g_y, y_pairs)
-    w_rows = _with_zero_row(weights.reshape(n * k)).at[pair_of_row].get(
-        mode="promise_in_bounds")
-    g_rows = w_rows[:, None] * _with_zero_row(g_y).at[pair_of_row // k].get(
-        mode="promise_in_bounds")
+    g_rows = (_pair_rows(weights, pair_of_row)[:, None]
+              * _token_rows(g_y, pair_of_row, weights.shape[1]))
     return g_rows, g_w, None, None
 
 
