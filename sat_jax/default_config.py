@@ -72,6 +72,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Blocks per iteration of the scan over stacked blocks (ModelConfig.scan_unroll): 2 makes the
     # 2-block default straight-line code, ~20 % faster training on CPU; 1 = one compiled body.
     c.model.scan_unroll = 2
+    # Queries per attention chunk (ModelConfig.attention_chunk): 0 = all at once; c > 0 keeps at
+    # most [rows, heads, c, keys] scores live (long sequences; same values).
+    c.model.attention_chunk = 0
 
 
     # Rollout engine: bfloat16 against the float32 trainer reproduces the engine mismatch.

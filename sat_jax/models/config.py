@@ -63,6 +63,10 @@ class ModelConfig:
         ``"dense"`` (the reference: every expert for every token), ``"ragged"`` (dropless
         dispatch with ``jax.lax.ragged_dot``, for TPU/GPU), ``"blocked"`` (dropless dispatch in
         expert-pure blocks, the fast path on CPU) or ``"auto"`` (the fastest on the backend).
+      attention_chunk: queries per chunk of the attention (``sat_jax.models.attention``): 0
+        takes all of a call's queries at once; c > 0 scans over chunks of c, so at most
+        [B, heads, c, keys] float32 scores are live at once instead of [B, heads, t, keys]
+        (a 4,096-token sequence's are 64 MiB per head). Equal values either way.
       init_std: standard deviation of the normal initialiser of embeddings and projections.
     """
 
@@ -89,6 +93,7 @@ class ModelConfig:
     init_std: float = 0.02
     moe_impl: str = "auto"
     scan_unroll: int = 1
+    attention_chunk: int = 0
 
     def __post_init__(self):
         # Normalise to a numpy dtype so that jnp.float32 and "float32" compare (and hash) equal.
@@ -105,6 +110,10 @@ class ModelConfig:
                 or self.scan_unroll < 1):
             raise ValueError(f"ModelConfig.scan_unroll must be a positive int, "
                              f"got {self.scan_unroll!r}")
+        if (isinstance(self.attention_chunk, bool) or not isinstance(self.attention_chunk, int)
+                or self.attention_chunk < 0):
+            raise ValueError(f"ModelConfig.attention_chunk must be a non-negative int, "
+                             f"got {self.attention_chunk!r}")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"ModelConfig.moe_impl must be one of {MOE_IMPLS}, "
                              f"got {self.moe_impl!r}")

@@ -16,12 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sat_jax.models.attention import attend
 from sat_jax.models.config import ModelConfig
 from sat_jax.models.moe import expert_ffn
 from sat_jax.models.sharding import BATCH_AXES
-
-# Score of a masked attention slot: finite so that no row can become NaN.
-_MASKED = float(jnp.finfo(jnp.float32).min)
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype=jnp.float32) -> nnx.Param:
@@ -127,6 +125,7 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=pdt)
         self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=pdt)
         self.num_heads, self.num_kv_heads, self.head_dim = h, hk, hd
+        self.chunk = cfg.attention_chunk
 
     def __call__(
         self,
@@ -146,7 +145,7 @@ class Attention(nnx.Module):
         q = apply_rotary(q, *rope).reshape(b, t, hk, g, hd)
         k = apply_rotary(k, *rope)
         if shared_prefix is not None:
-            out = _shared_prefix_attention(q, k, v, kv_mask, shared_prefix)
+            out = _shared_prefix_attention(q, k, v, kv_mask, shared_prefix, self.chunk)
             return self.o_proj(out.reshape(b, t, hk * g * hd)), None
         if cache is not None:
             zero = jnp.zeros((), jnp.int32)
@@ -161,7 +160,7 @@ class Attention(nnx.Module):
         else:
             k_all, v_all, new_cache = k, v, None
         allowed = _causal_allowed(t, k_all.shape[1], kv_mask, cache_index)
-        out = _attend(q, k_all, v_all, allowed)
+        out = attend(q, k_all, v_all, allowed, chunk=self.chunk)
         return self.o_proj(out.reshape(b, t, hk * g * hd)), new_cache
 
 
@@ -173,17 +172,7 @@ def _causal_allowed(t: int, s: int, kv_mask: jax.Array, offset=0) -> jax.Array:
     return ((k_slot <= q_slot)[None] & kv_mask[:, None, :]) | (k_slot == q_slot)[None]
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
-    """softmax(q·kᵀ/√D, masked to ``allowed``)·v: q [B, t, kv, g, D], k/v [B, s, kv, D],
-    allowed [B, t, s] → [B, t, kv, g, D]. Scores and softmax in float32."""
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32)
-    scores = scores * (1.0 / float(q.shape[-1]) ** 0.5)
-    scores = jnp.where(allowed[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v)
-
-
-def _shared_prefix_attention(q, k, v, kv_mask, shared_prefix):
+def _shared_prefix_attention(q, k, v, kv_mask, shared_prefix, chunk=0):
     """Causal attention over the shared-prefix layout of ``Transformer`` (``unique_rows``): per
     group, its P prefix positions, then G rows of R = (t − P)/G own positions each.
 
@@ -195,7 +184,8 @@ def _shared_prefix_attention(q, k, v, kv_mask, shared_prefix):
     grp, p = shared_prefix
     n, t = q.shape[:2]
     r = (t - p) // grp
-    out_prefix = _attend(q[:, :p], k[:, :p], v[:, :p], _causal_allowed(p, p, kv_mask[:, :p]))
+    out_prefix = attend(q[:, :p], k[:, :p], v[:, :p], _causal_allowed(p, p, kv_mask[:, :p]),
+                        chunk=chunk)
 
     def rows(a):  # [n, t, ...] → the G rows' own positions [n·G, R, ...]
         return a[:, p:].reshape((n * grp, r) + a.shape[2:])
@@ -207,8 +197,8 @@ def _shared_prefix_attention(q, k, v, kv_mask, shared_prefix):
     own = _causal_allowed(r, r, rows(kv_mask))
     prefix_mask = jnp.broadcast_to(kv_mask[:, None, None, :p], (n, grp, r, p)).reshape(
         n * grp, r, p)
-    out_rows = _attend(rows(q), with_prefix(k), with_prefix(v),
-                       jnp.concatenate([prefix_mask, own], axis=2))
+    out_rows = attend(rows(q), with_prefix(k), with_prefix(v),
+                      jnp.concatenate([prefix_mask, own], axis=2), chunk=chunk)
     return jnp.concatenate([out_prefix, out_rows.reshape((n, grp * r) + q.shape[2:])], axis=1)
 
 

@@ -96,6 +96,7 @@ def build(config, log=lambda msg: None) -> Components:
             dtype=jnp.dtype(model_fields["dtype"]),
             param_dtype=jnp.dtype(model_fields["param_dtype"]), mesh=mesh,
             remat=model_fields["remat"], moe_impl=model_fields["moe_impl"],
+            attention_chunk=model_fields["attention_chunk"],
         )
         if tokenizer.vocab_size > model_cfg.vocab_size:
             raise ValueError(f"the tokenizer's {tokenizer.vocab_size} ids exceed the model's "

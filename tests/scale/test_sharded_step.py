@@ -8,6 +8,7 @@
 * The step's HLO: no all-gather on a data-only mesh; on an FSDP mesh only parameter-shaped
   all-gathers (the SAT loss's statistics stay scalar psums, nothing token-sized is gathered).
 * A 2-block model of Qwen3-30B-A3B's widths compiles its train step abstractly.
+* Chunked attention (``attention_chunk``) on the tensor-split mesh equals the same reference.
 * The shared-prompt program (``LossSpec.prompt_group``) on a sharded mesh equals the plain step.
 """
 
@@ -48,6 +49,7 @@ MESHES = {
     "data2_fsdp2_expert2": dict(num_data=2, fsdp=2, expert=2),
     "fsdp2_expert2_tensor2": dict(num_data=1, fsdp=2, expert=2, tensor=2),
 }
+CHUNKED = "fsdp2_expert2_tensor2+attention_chunk3"
 SPEC = trainer.LossSpec(objective="sat", objective_kwargs=(("eps_low", 0.2), ("eps_high", 0.2)))
 # SGD with momentum: its state is parameter-shaped (bytes are checked) and, unlike Adam's first
 # step lr·sign(g), it does not amplify float noise on near-zero gradients.
@@ -121,9 +123,12 @@ def _device_bytes(tree) -> int:
                if s.device == dev)
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.parametrize("name", [*MESHES, CHUNKED])
 def test_sharded_step_equals_single_device_and_splits_memory(name, model, batch, reference):
-    mesh, (state, before), new_state, metrics = _run(MESHES[name], model[0], batch)
+    graphdef = model[0]
+    if name == CHUNKED:  # heads split over tensor, queries scanned in chunks of 3 (8 → 9 slots)
+        graphdef = graphdef_for(CFG.replace(attention_chunk=3))
+    mesh, (state, before), new_state, metrics = _run(MESHES[name.split("+")[0]], graphdef, batch)
     want_params, want_opt, want_metrics = reference
     for k, v in want_metrics.items():
         np.testing.assert_allclose(metrics[k], v, rtol=2e-3 if k in SENSITIVE else 2e-5,
