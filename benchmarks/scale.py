@@ -42,6 +42,8 @@ def _parse():
                    help="MoE path of the compiled train step (auto: blocked on CPU); the TPU "
                         "export always uses ragged (grouped matmuls)")
     p.add_argument("--logprob-chunk", type=int, default=512)
+    p.add_argument("--attention-chunk", type=int, default=512,
+                   help="ModelConfig.attention_chunk of the train step (0: all queries at once)")
     p.add_argument("--no-export", action="store_true", help="skip the TPU export")
     return p.parse_args()
 
@@ -103,7 +105,8 @@ def _memory(compiled) -> dict:
 
 def main(args) -> dict:
     data, fsdp, expert, tensor = (int(v) for v in args.mesh.split(","))
-    overrides = {"remat": "full", "moe_impl": args.moe_impl}
+    overrides = {"remat": "full", "moe_impl": args.moe_impl,
+                 "attention_chunk": args.attention_chunk}
     if args.layers:
         overrides["num_layers"] = args.layers
     cfg = config_from_hf(QWEN3_30B_A3B_CONFIG, dtype=jnp.bfloat16, **overrides)
@@ -183,6 +186,8 @@ def main(args) -> dict:
         except Exception as err:  # reported, not raised: the rest of the figures stand
             out["tpu_export"] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:400]}
 
+    out["attention_layer"] = _attention_memory(cfg, tensor, args)
+
     # ---------------------------------------------------------------- decode step
     out["decode_step"] = _decode(cfg, mesh, params, b, args)
 
@@ -196,6 +201,34 @@ def main(args) -> dict:
         "dispatching_routed_only": routed,
         "ratio": dense / routed,
     }
+    return out
+
+
+def _attention_memory(cfg, tensor, args) -> dict:
+    """XLA's scratch for one layer's attention core, forward + backward, on one device's rows and
+    heads (bf16 q, k, v; float32 scores): the plain program autodiff differentiates (it keeps
+    the [rows, heads, t, t] weights), the custom VJP taking all queries at once, and in chunks."""
+    from sat_jax.models.attention import attend, attend_reference
+
+    kv = cfg.num_kv_heads // tensor
+    g, d, t = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, args.seq_len
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    q = jax.ShapeDtypeStruct((args.seqs, t, kv, g, d), jnp.bfloat16, sharding=one)
+    k = jax.ShapeDtypeStruct((args.seqs, t, kv, d), jnp.bfloat16, sharding=one)
+    allowed = jax.ShapeDtypeStruct((args.seqs, t, t), jnp.bool_, sharding=one)
+    out = {"rows": args.seqs, "tokens": t, "heads_per_device": kv * g,
+           "temp_gib": {}, "how": "compiled memory_analysis().temp_size_in_bytes, one device"}
+    programs = {"plain_autodiff": attend_reference, "custom_vjp_whole": attend}
+    if args.attention_chunk:
+        programs[f"custom_vjp_chunk_{args.attention_chunk}"] = (
+            lambda q, k, v, a: attend(q, k, v, a, chunk=args.attention_chunk))
+    for name, fn in programs.items():
+        def loss(q, k, v, a, fn=fn):
+            return jnp.sum(fn(q, k, v, a).astype(jnp.float32))
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        m = grad.lower(q, k, k, allowed).compile().memory_analysis()
+        out["temp_gib"][name] = round(m.temp_size_in_bytes / GIB, 3)
     return out
 
 

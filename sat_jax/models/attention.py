@@ -66,6 +66,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *,
     return _attention(q, k, v, allowed, (t + pad) // chunk)[:, :t]
 
 
+def attend_reference(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array) -> jax.Array:
+    """The same values by the plain program that autodiff differentiates, keeping the weights:
+    the reference for tests and for ``benchmarks/scale.py``'s memory comparison."""
+    probs = jax.nn.softmax(_scores(q, k, allowed), axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v)
+
+
 def _scores(q, k, allowed):
     """Masked float32 scores [B, kv, g, t, s] of one chunk."""
     s = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32)
@@ -109,6 +116,8 @@ def _unchunk(x):
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attention(q, k, v, allowed, n):
+    if n == 1:  # what runs undifferentiated (the sampler): the reference's program
+        return attend_reference(q, k, v, allowed)
     return _attention_fwd(q, k, v, allowed, n)[0]
 
 

@@ -237,6 +237,21 @@ def _num_blocks(m: int, e: int, block: int) -> int:
     return max(1, (m + e * (block - 1)) // block)
 
 
+#: Bytes of gathered expert weights (the three [blocks, d, f] copies) that ``blocked`` keeps live
+#: at once; more blocks than fit are taken in groups (``_blocked_ffn``).
+GROUP_BYTES = 256 * 2**20
+
+
+def _block_groups(nb: int, d: int, f: int, itemsize: int) -> tuple[int, int]:
+    """(blocks, groups): nb rounded up to equal groups whose gathered weights fit GROUP_BYTES
+    (the extra blocks hold only padding rows)."""
+    fit = max(1, GROUP_BYTES // (3 * d * f * itemsize))
+    if fit >= nb:
+        return nb, 1
+    groups = -(-nb // fit)
+    return groups * -(-nb // groups), groups
+
+
 def _resolve(impl: str, platform: str, n: int, k: int, e: int, block_size: int | None) -> str:
     """The concrete path of ``impl`` for a (local) problem of N tokens, k of E experts each."""
     if impl != "auto":
@@ -278,7 +293,8 @@ def _local_ffn(path, x, indices, weights, gate_proj, up_proj, down_proj, *, offs
         group_start = jnp.cumsum(sizes) - sizes
     else:
         block = block_size or _default_block(m, e)
-        nb = _num_blocks(m, e, block)
+        nb, groups = _block_groups(_num_blocks(m, e, block), *gate_proj.shape[1:],
+                                   jnp.dtype(gate_proj.dtype).itemsize)
         rows = nb * block
         padded = (sizes + block - 1) // block * block
         ends = jnp.cumsum(padded)
@@ -302,7 +318,7 @@ def _local_ffn(path, x, indices, weights, gate_proj, up_proj, down_proj, *, offs
     if path == "blocked":
         with jax.named_scope("experts"):
             return _blocked_ffn(x, weights, gate_proj, up_proj, down_proj, pair_of_row,
-                                row_of_pair.reshape(n, k), block_expert, sink)
+                                row_of_pair.reshape(n, k), block_expert, sink, groups)
     with jax.named_scope("dispatch"):
         x_rows = _dispatch(x, pair_of_row, row_of_pair.reshape(n, k), sink)  # padding rows: 0
     with jax.named_scope("experts"):
@@ -333,9 +349,9 @@ def _ragged_experts(x_rows, sizes, gate_proj, up_proj, down_proj):
     return jnp.where(valid[:, None], y, 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def _blocked_ffn(x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair,
-                 block_expert, sink):
+                 block_expert, sink, groups):
     """Dispatch, the blocked expert matmuls and the combine as one function with its own VJP.
 
     Rows r < R = nb·B of the sorted buffer: token τ(r) = pair_of_row[r] // k (N, an appended
@@ -357,10 +373,13 @@ def _blocked_ffn(x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_
         ∂x[n] = Σ_j ∂X[row_of_pair[n, j]]
 
     The sums over blocks of one expert are a scatter-add of [d, f] windows at sorted indices.
-    ``sink``: pairs of other devices' experts (row sentinel R) read 0.
+    ``sink``: pairs of other devices' experts (row sentinel R) read 0. ``groups`` > 1 takes the
+    blocks nb/groups at a time (a ``lax.map`` forward, a ``lax.scan`` backward summing the
+    expert gradients in float32), so that no more than nb/groups gathered block weights
+    [·, d, f] are live: at Qwen3-30B-A3B's widths all of a shard's blocks at once are tens of GiB.
     """
     y, _ = _blocked_ffn_fwd(x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair,
-                            block_expert, sink)
+                            block_expert, sink, groups)
     return y
 
 
@@ -368,15 +387,46 @@ def _of_blocks(w, block_expert):  # [E, ...] → [nb, ...]; block_expert lies in
     return w.at[block_expert].get(mode="promise_in_bounds")
 
 
+def _groups(a, groups):  # [nb, ...] → [groups, nb / groups, ...]
+    return a.reshape((groups, a.shape[0] // groups) + a.shape[1:])
+
+
+def _blocks_fwd(xb, block_expert, gate_proj, up_proj, down_proj):
+    """g, u [nb, B, f] and y_rows [nb, B, d] of some blocks (one batched matmul each)."""
+    g = jnp.einsum("bnd,bdf->bnf", xb, _of_blocks(gate_proj, block_expert))
+    u = jnp.einsum("bnd,bdf->bnf", xb, _of_blocks(up_proj, block_expert))
+    y = jnp.einsum("bnf,bfd->bnd", jax.nn.silu(g) * u, _of_blocks(down_proj, block_expert))
+    return g, u, y
+
+
+def _blocks_bwd(xb, dyb, w_b, g, u, block_expert, gate_proj, up_proj, down_proj):
+    """Of some blocks: ∂w per row (float32), ∂X rows, and the per-block weight gradients."""
+    c = jnp.einsum("bnd,bfd->bnf", dyb, _of_blocks(down_proj, block_expert))
+    sg = jax.nn.silu(g)
+    h = sg * u
+    g_w_rows = jnp.sum((c * h).astype(jnp.float32), axis=-1)
+    dh = w_b * c
+    sig = jax.nn.sigmoid(g)
+    dg = dh * u * (sig * (1 + g * (1 - sig)))
+    du = dh * sg
+    per_block = (jnp.einsum("bnd,bnf->bdf", xb, dg), jnp.einsum("bnd,bnf->bdf", xb, du),
+                 jnp.einsum("bnf,bnd->bfd", h, dyb * w_b))
+    g_rows = (jnp.einsum("bnf,bdf->bnd", dg, _of_blocks(gate_proj, block_expert))
+              + jnp.einsum("bnf,bdf->bnd", du, _of_blocks(up_proj, block_expert)))
+    return g_w_rows, g_rows, per_block
+
+
 def _blocked_ffn_fwd(x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair,
-                     block_expert, sink):
+                     block_expert, sink, groups):
     nb, k = block_expert.shape[0], row_of_pair.shape[1]
     x_rows, w_rows = _token_rows(x, pair_of_row, k), _pair_rows(weights, pair_of_row)
     xb = x_rows.reshape(nb, -1, x.shape[1])
-    g = jnp.einsum("bnd,bdf->bnf", xb, _of_blocks(gate_proj, block_expert))
-    u = jnp.einsum("bnd,bdf->bnf", xb, _of_blocks(up_proj, block_expert))
-    h = jax.nn.silu(g) * u
-    y_rows = jnp.einsum("bnf,bfd->bnd", h, _of_blocks(down_proj, block_expert))
+    if groups == 1:
+        g, u, y_rows = _blocks_fwd(xb, block_expert, gate_proj, up_proj, down_proj)
+    else:  # a group of blocks at a time: at most nb/groups gathered weights live
+        g, u, y_rows = (a.reshape((nb,) + a.shape[2:]) for a in jax.lax.map(
+            lambda a: _blocks_fwd(a[0], a[1], gate_proj, up_proj, down_proj),
+            (_groups(xb, groups), _groups(block_expert, groups))))
     y_rows = (y_rows.reshape(x_rows.shape) * w_rows[:, None]).astype(x.dtype)
     y = _sum_pairs(y_rows, row_of_pair, sink)
     res = (x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair, block_expert,
@@ -384,7 +434,7 @@ def _blocked_ffn_fwd(x, weights, gate_proj, up_proj, down_proj, pair_of_row, row
     return y, res
 
 
-def _blocked_ffn_bwd(sink, res, g_y):
+def _blocked_ffn_bwd(sink, groups, res, g_y):
     x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair, block_expert, g, u = res
     nb, block, _ = g.shape
     k = row_of_pair.shape[1]
@@ -392,25 +442,27 @@ def _blocked_ffn_bwd(sink, res, g_y):
     xb = x_rows.reshape(nb, block, -1)
     dyb = _token_rows(g_y, pair_of_row, k).reshape(xb.shape)
     w_b = _pair_rows(weights, pair_of_row).reshape(nb, block, 1).astype(g.dtype)
-    c = jnp.einsum("bnd,bfd->bnf", dyb, _of_blocks(down_proj, block_expert))
-    sg = jax.nn.silu(g)
-    h = sg * u
-    g_w_rows = jnp.sum((c * h).astype(jnp.float32), axis=-1).reshape(-1)
-    g_w = _gather_rows(g_w_rows, row_of_pair, not sink).astype(weights.dtype)
-    dh = w_b * c
-    sig = jax.nn.sigmoid(g)
-    dg = dh * u * (sig * (1 + g * (1 - sig)))
-    du = dh * sg
+    like = (gate_proj, up_proj, down_proj)
 
-    def to_experts(per_block, like):  # Σ over each expert's blocks (sorted): a window scatter
-        return jnp.zeros_like(like).at[block_expert].add(
-            per_block.astype(like.dtype), indices_are_sorted=True, mode="promise_in_bounds")
+    def to_experts(acc, per_block, be):  # Σ over each expert's blocks (sorted): a window scatter
+        return acc.at[be].add(per_block.astype(acc.dtype), indices_are_sorted=True,
+                              mode="promise_in_bounds")
 
-    g_down = to_experts(jnp.einsum("bnf,bnd->bfd", h, dyb * w_b), down_proj)
-    g_gate = to_experts(jnp.einsum("bnd,bnf->bdf", xb, dg), gate_proj)
-    g_up = to_experts(jnp.einsum("bnd,bnf->bdf", xb, du), up_proj)
-    g_rows = (jnp.einsum("bnf,bdf->bnd", dg, _of_blocks(gate_proj, block_expert))
-              + jnp.einsum("bnf,bdf->bnd", du, _of_blocks(up_proj, block_expert)))
+    if groups == 1:
+        g_w_rows, g_rows, per_block = _blocks_bwd(xb, dyb, w_b, g, u, block_expert, *like)
+        g_gate, g_up, g_down = (to_experts(jnp.zeros_like(w), p, block_expert)
+                                for w, p in zip(like, per_block, strict=True))
+    else:  # the expert gradients summed over the groups in float32
+        def step(acc, a):
+            g_w_rows, g_rows, per_block = _blocks_bwd(*a, *like)
+            acc = tuple(to_experts(s, p, a[5]) for s, p in zip(acc, per_block, strict=True))
+            return acc, (g_w_rows, g_rows)
+
+        acc, (g_w_rows, g_rows) = jax.lax.scan(
+            step, tuple(jnp.zeros_like(w, jnp.float32) for w in like),
+            tuple(_groups(a, groups) for a in (xb, dyb, w_b, g, u, block_expert)))
+        g_gate, g_up, g_down = (s.astype(w.dtype) for s, w in zip(acc, like, strict=True))
+    g_w = _gather_rows(g_w_rows.reshape(-1), row_of_pair, not sink).astype(weights.dtype)
     g_x = _sum_pairs(g_rows.reshape(x_rows.shape), row_of_pair, sink)
     return (g_x.astype(x.dtype), g_w, g_gate, g_up, g_down, None, None, None)
 

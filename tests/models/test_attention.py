@@ -8,16 +8,21 @@ import numpy as np
 import pytest
 
 from sat_jax.models import ModelConfig, init_model, token_logprobs
-from sat_jax.models.attention import MASKED, attend
+from sat_jax.models.attention import attend, attend_reference
 
 B, T, S, KV, G, D = 2, 7, 7, 2, 2, 4
 
 
 def _plain(q, k, v, allowed):
-    """The program autodiff differentiates: scores, masked softmax, weights times values."""
+    """The program autodiff differentiates, written out: scores, masked softmax, weights · v."""
     s = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32) / q.shape[-1] ** 0.5
-    s = jnp.where(allowed[:, None, None], s, MASKED)
+    s = jnp.where(allowed[:, None, None], s, jnp.finfo(jnp.float32).min)
     return jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(s, axis=-1).astype(q.dtype), v)
+
+
+def test_reference_is_the_plain_program(inputs):
+    q, k, v, allowed, _ = inputs
+    np.testing.assert_array_equal(attend_reference(q, k, v, allowed), _plain(q, k, v, allowed))
 
 
 @pytest.fixture(scope="module")

@@ -109,6 +109,28 @@ def test_blocked_any_block_size(block):
     _assert_same(_value_and_grads("blocked", idx, block_size=block)(x, w, gp, up, dp), want)
 
 
+def test_block_groups_by_hand(monkeypatch):
+    # 3 weights of d·f = 2·2 float32 are 48 bytes a block; 100 bytes fit 2 blocks a group.
+    monkeypatch.setattr(moe, "GROUP_BYTES", 100)
+    assert moe._block_groups(2, 2, 2, 4) == (2, 1)
+    assert moe._block_groups(5, 2, 2, 4) == (6, 3)  # 3 groups of 2; one padding block
+    assert moe._block_groups(7, 2, 2, 4) == (8, 4)
+    monkeypatch.setattr(moe, "GROUP_BYTES", 10)  # not even one block fits: one a group
+    assert moe._block_groups(3, 2, 2, 4) == (3, 3)
+
+
+@pytest.mark.parametrize("case", ["topk", "some_empty"])
+def test_blocked_in_groups_equals_dense(monkeypatch, case):
+    # Room for 2 blocks of 4 rows a group (3·D·F·4 = 384 bytes a block): 24 blocks in 12 groups,
+    # the forward a lax.map and the backward a scan that sums the expert gradients.
+    monkeypatch.setattr(moe, "GROUP_BYTES", 800)
+    (x, gp, up, dp), key = _params(6)
+    idx, w = _routing(case, key)
+    assert moe._block_groups(moe._num_blocks(N * K, E, 4), D, F, 4)[1] > 1
+    want = _value_and_grads("dense", idx)(x, w, gp, up, dp)
+    _assert_same(_value_and_grads("blocked", idx, block_size=4)(x, w, gp, up, dp), want)
+
+
 def test_blocked_backward_keeps_only_gate_and_up_activations():
     # What the VJP closes over: the inputs, the routing maps (ints) and the [nb, B, F] gate and
     # up activations; not the gathered rows [R, D], block weights [nb, D, F] or outputs.
@@ -249,3 +271,19 @@ def test_expert_axis_must_divide_experts():
     gp6, up6, dp6 = gp[:6], up[:6], dp[:6]
     with pytest.raises(ValueError, match="'expert' of size 8 must divide the number of experts"):
         expert_ffn(x, idx % 6, w, gp6, up6, dp6, mesh=mesh)
+
+
+def test_blocked_in_groups_under_expert_parallel_with_token_axes(monkeypatch):
+    # The grouped scan inside the shard_map (rows split over data, experts over expert): its
+    # float32 gradient carry must take the expert weights' varying axes.
+    monkeypatch.setattr(moe, "GROUP_BYTES", 800)
+    mesh = _mesh((4, 2), ("data", "expert"))
+    (x, gp, up, dp), key = _params(7)
+    idx, w = _routing("topk", key)
+    want = _value_and_grads("dense", idx)(x, w, gp, up, dp)
+    put = jax.device_put
+    gp_s, up_s, dp_s = (put(a, NamedSharding(mesh, P("expert"))) for a in (gp, up, dp))
+    x_s = put(x, NamedSharding(mesh, P("data")))
+    got = _value_and_grads("blocked", idx, mesh=mesh, token_axes=("data",), block_size=2)(
+        x_s, w, gp_s, up_s, dp_s)
+    _assert_same(got, want)
