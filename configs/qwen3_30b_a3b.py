@@ -72,6 +72,13 @@ def get_config() -> config_dict.ConfigDict:
     c.model.hf_path = "REQUIRED:/path/to/Qwen3-30B-A3B-Base"
     c.model.router_aux_loss_coef = 0.0  # the checkpoint says 0.001; the paper's runs use none
     c.model.remat = True
+    # The paper's trainer: bf16 arithmetic, fp32 softmax (ours is float32 inside every softmax),
+    # fp32 master weights and optimizer state (Appendix, training setup).
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "float32"
+    # Rows of up to 2,048 + 32,768 tokens: never all [T, V] logits or [heads, T, T] scores at once.
+    c.model.attention_chunk = 256
+    c.loss.logprob_chunk = 256
 
     c.data.source = "jsonl"
     c.data.path = "REQUIRED:/path/to/math-prompts.jsonl"

@@ -32,6 +32,8 @@ def test_paper_config():
     assert (c.optim.learning_rate, c.optim.b1, c.optim.b2) == (1e-6, 0.9, 0.98)
     assert (c.rollout.temperature, c.rollout.top_p, c.loss.kl_coef) == (1.0, 1.0, 1e-3)
     assert c.model.hf_path.startswith("REQUIRED")  # a local path, set on the command line
+    assert (c.model.dtype, c.model.param_dtype) == ("bfloat16", "float32")
+    assert c.model.attention_chunk > 0 and c.loss.logprob_chunk > 0  # 34,816-token rows
     model = config_from_hf(c.hf_config_reference.to_dict(), dtype=jnp.bfloat16,
                            router_aux_loss_coef=c.model.router_aux_loss_coef)
     assert model.dtype == jnp.bfloat16 and model.router_aux_loss_coef == 0.0
