@@ -2,6 +2,7 @@
 (R3, Eq. 40), the trainer-side log-prob path with support replay (Eq. 50), Hugging Face checkpoint
 loading/saving and the logical-axis sharding table."""
 
+from sat_jax.models.attention import attend, attend_reference
 from sat_jax.models.config import ModelConfig
 from sat_jax.models.hf import hf_tensor_shapes, load_hf, save_hf
 from sat_jax.models.hf_config import config_from_hf, config_to_hf
@@ -53,6 +54,8 @@ __all__ = [
     "Transformer",
     "abstract_params",
     "apply_support_cutoff",
+    "attend",
+    "attend_reference",
     "batch_spec",
     "cache_spec",
     "check_mesh",

@@ -109,6 +109,8 @@ class Attention(nnx.Module):
     ``shared_prefix`` = (G, P): x is in ``Transformer``'s shared-prefix layout (no cache), and
     each query attends to the keys it would see in the plain layout
     (``_shared_prefix_attention``).
+    ``config.attention_chunk`` > 0 takes the queries that many at a time
+    (``sat_jax.models.attention.attend``: same values, scratch linear in t).
 
     The cache is the stacked one of all blocks ([L, B, S, kv_heads, head_dim]); this block
     writes its new keys and values into row ``layer`` in place (one dynamic-update-slice of the

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sat_jax.models import ModelConfig, init_model, token_logprobs
+from sat_jax.models import ModelConfig, graphdef_for, init_model, token_logprobs
 from sat_jax.models.transformer import expand_rows, unique_rows
 from sat_jax.rl.batch import RolloutBatch
 from sat_jax.sampling import Sampler, SamplingParams
@@ -67,6 +67,10 @@ def test_forward_equals_plain_layout(model):
     # Replaying the captured routing (R3) through the shared layout: the same logits again.
     replay = m(tokens, input_mask=mask, routing=fresh.routing, shared_prefix=(G, P))
     np.testing.assert_allclose(replay.logits, fresh.logits, rtol=1e-5, atol=1e-5)
+    # Attention in chunks of 2 queries (the 5 prefix and 3 own positions both padded).
+    chunked = nnx.merge(graphdef_for(cfg.replace(attention_chunk=2)), params)
+    np.testing.assert_allclose(chunked(tokens, input_mask=mask, shared_prefix=(G, P)).logits,
+                               fresh.logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 2])
