@@ -126,7 +126,7 @@ def test_model_with_chunked_attention_equals_whole():
         def loss(p):
             logp, _, _ = token_logprobs(g, p, tokens, input_mask=mask, response_start=5)
             return jnp.sum(logp), logp
-        return jax.value_and_grad(loss, has_aux=True)(params)
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
     (_, want), want_g = run(graphdef)
     (_, got), got_g = run(chunked_def)
