@@ -271,11 +271,12 @@ def test_sharded_sat_step_gathers_no_token_sized_arrays(model):
 
 
 def test_qwen3_30b_a3b_width_train_step_compiles_abstractly():
-    """Two blocks at Qwen3-30B-A3B's published widths: nothing of that size is allocated."""
+    """Two blocks at Qwen3-30B-A3B's published widths: nothing of that size is allocated. The
+    attention in chunks of 8 of the 24 positions, heads split over tensor, as its config runs."""
     config = ModelConfig(
         vocab_size=151_936, hidden_size=2048, num_layers=2, num_heads=32, num_kv_heads=4,
         head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-        rope_theta=1e6, dtype=jnp.bfloat16, remat="full",
+        rope_theta=1e6, dtype=jnp.bfloat16, remat="full", attention_chunk=8,
     )
     mesh = parallel.make_mesh(num_data=1, fsdp=2, expert=2, tensor=2)
     optimizer = optax.adam(1e-6)
