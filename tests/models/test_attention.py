@@ -86,12 +86,12 @@ def test_bfloat16_close_to_plain(inputs, chunk):
 
 
 def test_backward_keeps_no_score_sized_array(inputs):
-    # What the VJP closes over: q, k, v, the mask, the output and ℓ [B, kv, g, t, 1]; not the
+    # What the VJP closes over: q, k, v, the mask, the output and ℓ [B, kv, g·t, 1]; not the
     # [B, kv, g, t, s] weights that autodiff of the softmax keeps.
     q, k, v, allowed, _ = inputs
     _, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, allowed), q, k, v)
     floats = sorted(a.shape for a in jax.tree.leaves(vjp) if jnp.issubdtype(a.dtype, jnp.floating))
-    assert floats == sorted([q.shape, k.shape, v.shape, q.shape, (B, KV, G, T, 1)])
+    assert floats == sorted([q.shape, k.shape, v.shape, q.shape, (B, KV, G * T, 1)])
     _, plain_vjp = jax.vjp(lambda q, k, v: _plain(q, k, v, allowed), q, k, v)
     assert (B, KV, G, T, S) in {a.shape for a in jax.tree.leaves(plain_vjp)}  # the contrast
 
