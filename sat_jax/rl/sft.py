@@ -3,11 +3,16 @@
 RL on a built-in task should start like the paper's: from a base model that solves the task
 sometimes, not never (no reward signal) and not always (nothing to learn). A short cross-entropy
 warm-up on (prompt, answer) pairs gets there in seconds; the result is cached so every run of the
-same model/task/warm-up settings starts from identical parameters.
+same model/task/warm-up settings starts from identical parameters. The key also holds a digest
+of the code whose float rounding decides the result (the model's and this module's source, the
+JAX and jaxlib versions), so a change there trains the warm-up again instead of reusing a base
+policy another program made.
 """
 
 from __future__ import annotations
 
+import functools
+import glob
 import hashlib
 import json
 import os
@@ -15,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import optax
 
@@ -41,6 +47,19 @@ def layout_pairs(tokenizer, pairs, prompt_width: int, response_width: int):
         tokens[i, prompt_width:prompt_width + len(a)] = a
         mask[i, prompt_width - len(p):prompt_width + len(a)] = True
     return tokens, mask, mask[:, prompt_width:]
+
+
+@functools.cache
+def code_digest() -> str:
+    """Digest of sat_jax/models/*.py, this file, and the JAX and jaxlib versions."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = sorted(glob.glob(os.path.join(pkg, "models", "*.py"))) + [os.path.abspath(__file__)]
+    h = hashlib.sha256(f"jax {jax.__version__} jaxlib {jaxlib.__version__}".encode())
+    for path in files:
+        h.update(os.path.relpath(path, pkg).encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
 
 
 def _cache_key(spec: dict[str, Any]) -> str:
@@ -87,7 +106,7 @@ def warmup(
     these settings); the cache file is keyed by its hash. A corrupt cache entry is rebuilt.
     """
     spec = dict(cache_spec, steps=steps, batch_size=batch_size, lr=learning_rate, seed=seed,
-                widths=(prompt_width, response_width))
+                widths=(prompt_width, response_width), code=code_digest())
     path = None
     if cache_dir:
         cache_dir = os.path.expanduser(cache_dir)

@@ -1,0 +1,46 @@
+"""The warm-up cache (``sat_jax.rl.sft``): a second call with the same settings and code loads the
+first's parameters; a change of the code digest (model source, JAX version) trains again; a corrupt
+entry is rebuilt."""
+
+import glob
+
+import jax
+import numpy as np
+
+from sat_jax.data.tasks import AdditionTask
+from sat_jax.data.tokenizer import CharTokenizer
+from sat_jax.models import ModelConfig, init_model
+from sat_jax.rl import sft
+
+
+def _warmup(cache_dir, params, graphdef, tokenizer):
+    return sft.warmup(graphdef, params, tokenizer, AdditionTask(1, eval_size=20), steps=2, batch_size=4,
+                      learning_rate=1e-2, seed=0, prompt_width=6, response_width=3,
+                      cache_dir=str(cache_dir), cache_spec={"case": "test"})
+
+
+def test_cache_reuses_only_the_same_code(tmp_path, monkeypatch):
+    tokenizer = CharTokenizer()
+    cfg = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, num_layers=1, num_experts=4,
+                           hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
+                           moe_intermediate_size=8)
+    graphdef, params = init_model(cfg, seed=0)
+    assert len(sft.code_digest()) == 16 and sft.code_digest() == sft.code_digest()
+
+    trained, info = _warmup(tmp_path, params, graphdef, tokenizer)
+    assert info["sft/cached"] == 0.0
+    again, info = _warmup(tmp_path, params, graphdef, tokenizer)
+    assert info["sft/cached"] == 1.0
+    jax.tree.map(np.testing.assert_array_equal, again, trained)
+
+    monkeypatch.setattr(sft, "code_digest", lambda: "another-program")
+    _, info = _warmup(tmp_path, params, graphdef, tokenizer)
+    assert info["sft/cached"] == 0.0
+    assert len(glob.glob(str(tmp_path / "sft-*.npz"))) == 2  # one entry per program
+
+    for path in glob.glob(str(tmp_path / "sft-*.npz")):
+        with open(path, "wb") as f:
+            f.write(b"not an npz")
+    rebuilt, info = _warmup(tmp_path, params, graphdef, tokenizer)
+    assert info["sft/cached"] == 0.0
+    jax.tree.map(np.testing.assert_array_equal, rebuilt, trained)  # same program, same result
