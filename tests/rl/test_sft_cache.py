@@ -14,9 +14,9 @@ from sat_jax.rl import sft
 
 
 def _warmup(cache_dir, params, graphdef, tokenizer):
-    return sft.warmup(graphdef, params, tokenizer, AdditionTask(1, eval_size=20), steps=2, batch_size=4,
-                      learning_rate=1e-2, seed=0, prompt_width=6, response_width=3,
-                      cache_dir=str(cache_dir), cache_spec={"case": "test"})
+    return sft.warmup(graphdef, params, tokenizer, AdditionTask(1, eval_size=20), steps=2,
+                      batch_size=4, learning_rate=1e-2, seed=0, prompt_width=6,
+                      response_width=3, cache_dir=str(cache_dir), cache_spec={"case": "test"})
 
 
 def test_cache_reuses_only_the_same_code(tmp_path, monkeypatch):
