@@ -104,8 +104,10 @@ def _scores(qm, km, allowed, g):
     return jnp.where(mask, s * (1.0 / float(qm.shape[-1]) ** 0.5), MASKED)
 
 
-def _chunk_fwd(q, k, v, allowed):
-    qm, km, vm = _queries(q), _keys(k), _keys(v)
+def _chunk_fwd(q, km, vm, allowed):
+    """Output and ℓ of one chunk of queries q [B, c, kv, g, D]; km, vm head-major [B, kv, s, D]
+    (transposed once by the caller, not in every chunk)."""
+    qm = _queries(q)
     s = _scores(qm, km, allowed, q.shape[3])
     m = jnp.max(s, axis=-1, keepdims=True)
     e = jnp.exp(s - m)
@@ -114,19 +116,19 @@ def _chunk_fwd(q, k, v, allowed):
     return _tokens(out, q), m + jnp.log(total)  # ℓ [B, kv, g·t, 1]
 
 
-def _chunk_bwd(q, k, v, allowed, out, lse, dout):
-    """(dq, dk, dv) of one chunk; dk and dv in float32 (they are summed over chunks)."""
-    qm, km, vm = _queries(q), _keys(k), _keys(v)
-    dom, om = _queries(dout), _queries(out)
+def _chunk_bwd(q, km, vm, allowed, out, lse, dout):
+    """(dq, dk, dv) of one chunk; dk and dv head-major [B, kv, s, D] in float32 (they are
+    summed over chunks)."""
+    qm, dom, om = _queries(q), _queries(dout), _queries(out)
     p = jnp.exp(_scores(qm, km, allowed, q.shape[3]) - lse)
-    dv = jnp.einsum("bkms,bkmd->bksd", p.astype(v.dtype), dom,
+    dv = jnp.einsum("bkms,bkmd->bksd", p.astype(vm.dtype), dom,
                     preferred_element_type=jnp.float32)
     dp = jnp.einsum("bkmd,bksd->bkms", dom, vm).astype(jnp.float32)
     delta = jnp.sum(dom.astype(jnp.float32) * om.astype(jnp.float32), axis=-1, keepdims=True)
     ds = (p * (dp - delta) * (1.0 / float(q.shape[-1]) ** 0.5)).astype(q.dtype)
     dq = _tokens(jnp.einsum("bkms,bksd->bkmd", ds, km), q)
     dk = jnp.einsum("bkms,bkmd->bksd", ds, qm, preferred_element_type=jnp.float32)
-    return dq, _keys(dk), _keys(dv)
+    return dq, dk, dv
 
 
 def _chunks(x, n):
@@ -148,10 +150,11 @@ def _attention(q, k, v, allowed, n):
 
 
 def _attention_fwd(q, k, v, allowed, n):
+    km, vm = _keys(k), _keys(v)
     if n == 1:
-        out, lse = _chunk_fwd(q, k, v, allowed)
+        out, lse = _chunk_fwd(q, km, vm, allowed)
     else:
-        out, lse = jax.lax.map(lambda qa: _chunk_fwd(qa[0], k, v, qa[1]),
+        out, lse = jax.lax.map(lambda qa: _chunk_fwd(qa[0], km, vm, qa[1]),
                                (_chunks(q, n), _chunks(allowed, n)))
         out = _unchunk(out)
     return out, (q, k, v, allowed, out, lse)
@@ -159,19 +162,20 @@ def _attention_fwd(q, k, v, allowed, n):
 
 def _attention_bwd(n, res, dout):
     q, k, v, allowed, out, lse = res
+    km, vm = _keys(k), _keys(v)
     if n == 1:
-        dq, dk, dv = _chunk_bwd(q, k, v, allowed, out, lse, dout)
-        return dq, dk.astype(k.dtype), dv.astype(v.dtype), None
+        dq, dk, dv = _chunk_bwd(q, km, vm, allowed, out, lse, dout)
+    else:
+        def step(carry, xs):
+            dq, dk, dv = _chunk_bwd(xs[0], km, vm, xs[1], xs[2], xs[3], xs[4])
+            return (carry[0] + dk, carry[1] + dv), dq
 
-    def step(carry, xs):
-        dq, dk, dv = _chunk_bwd(xs[0], k, v, xs[1], xs[2], xs[3], xs[4])
-        return (carry[0] + dk, carry[1] + dv), dq
-
-    zeros = jnp.zeros_like(k, jnp.float32)  # keeps k's varying axes under shard_map
-    (dk, dv), dq = jax.lax.scan(
-        step, (zeros, zeros),
-        (_chunks(q, n), _chunks(allowed, n), _chunks(out, n), lse, _chunks(dout, n)))
-    return _unchunk(dq), dk.astype(k.dtype), dv.astype(v.dtype), None
+        zeros = jnp.zeros_like(km, jnp.float32)  # keeps k's varying axes under shard_map
+        (dk, dv), dq = jax.lax.scan(
+            step, (zeros, zeros),
+            (_chunks(q, n), _chunks(allowed, n), _chunks(out, n), lse, _chunks(dout, n)))
+        dq = _unchunk(dq)
+    return dq, _keys(dk).astype(k.dtype), _keys(dv).astype(v.dtype), None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
