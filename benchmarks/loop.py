@@ -49,7 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sat_jax import default_config, parallel
+from sat_jax import config as config_lib
+from sat_jax import parallel
 from sat_jax.data import PromptIterator
 from sat_jax.rl import learner, trainer
 from sat_jax.rl.components import build
@@ -60,7 +61,7 @@ PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "sha
 
 
 def _config(workdir: str, steps: int, mode: str, lag: int, share_prompt: bool = True):
-    c = default_config.get_config()
+    c = config_lib.get_config()
     c.loss.share_prompt = share_prompt
     c.workdir = workdir
     c.num_steps = steps

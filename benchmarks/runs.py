@@ -1,9 +1,10 @@
 """Many small runs as one program: a vmapped run axis vs the same runs one after another.
 
 SPEC ("Small-scale studies on a CPU") suggests running seeds and methods as one compiled program
-over a leading run axis. This measures what that buys for the built-in default model and batch
-(``default_config``: 16 prompts × 8 samples, 230k-parameter MoE): per R runs, the device work
-of one study step (rollout: prefill + decode to the end; then one trainer step), either
+over a leading run axis. This measures what that buys for the built-in default model and
+batch (``sat_jax.config.defaults``: 16 prompts × 8 samples, 230k-parameter MoE): per R runs,
+the device work of one study step (rollout: prefill + decode to the end; then one trainer step),
+either
 
 * ``sequential``: R calls of the jitted single-run sampler and trainer step, or
 * ``vmapped``: one call of ``jax.vmap`` of each over stacked parameters, keys, optimizer states
@@ -26,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from _timing import median_seconds
 
-from sat_jax import default_config, parallel
+from sat_jax import config as config_lib
+from sat_jax import parallel
 from sat_jax.rl import learner, trainer
 from sat_jax.sampling import SamplingParams
 
@@ -43,7 +45,7 @@ def main():
     parser.add_argument("--group", type=int, default=None, help="samples per prompt")
     args = parser.parse_args()
 
-    config = default_config.get_config()
+    config = config_lib.get_config()
     config.workdir = tempfile.mkdtemp()
     config.sft.steps = 0
     config.mesh.data = 1

@@ -3,7 +3,7 @@
 Every config takes overrides, e.g. --config.lag=1 --config.seed=2.
 """
 
-from sat_jax.default_config import method_config
+from sat_jax.config import method_config
 
 
 def get_config():

@@ -24,7 +24,7 @@ shapes, parameter counts and sharding can be planned without the files
 
 from ml_collections import config_dict
 
-from sat_jax.default_config import method_config
+from sat_jax.config import method_config
 
 # config.json of Qwen/Qwen3-30B-A3B-Base: 48 layers, d 2048, 32 query / 4 KV heads of 128,
 # 128 experts top-8 of width 768, RoPE base 1e6, vocab 151936, untied embeddings.

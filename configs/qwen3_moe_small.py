@@ -6,13 +6,13 @@ experts, top-4. Many small experts make near-ties between the k-th and (k+1)-th 
 enough that a bfloat16 engine flips routing on a few percent of token-layers, so the routing
 mismatch that R3 removes is measurable (see ``ModelConfig.tiny``).
 
-It is the built-in default run (``sat_jax/default_config.py``: SAT-GSPO w/ R3, 2-digit addition)
+It is the built-in default run (``sat_jax/config/defaults.py``: SAT-GSPO w/ R3, 2-digit addition)
 with this model, at broadcast lag 1; ``model`` holds ``ModelConfig`` fields, so it runs with
 ``sat-jax train --config configs/qwen3_moe_small.py``. The learning rate sits in the window where
 lag 1 is stable and larger lags hurt at this scale (SPEC, "Small-scale studies on a CPU").
 """
 
-from sat_jax.default_config import method_config
+from sat_jax.config import method_config
 
 
 def get_config():

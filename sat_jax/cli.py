@@ -23,7 +23,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-import sat_jax.default_config as default_config_module
+import sat_jax.config.defaults as defaults_module
 
 #: Command -> one line of help.
 COMMANDS = {
@@ -44,7 +44,7 @@ def _define_config():
     """The --config flag. ml_collections applies the overrides in sys.argv to the default
     config while defining it, so an unknown key fails here, at import: it is kept and reported
     by ``run`` as one error line, and the flag is defined without the bad overrides."""
-    kwargs = dict(default=default_config_module.__file__, lock_config=True,
+    kwargs = dict(default=defaults_module.__file__, lock_config=True,
                   help_string="ml_collections config file (default: the built-in SAT-GSPO w/ "
                   "R3 run).")
     try:
@@ -120,7 +120,7 @@ def usage(command: str | None = None) -> str:
     lines += [
         "",
         "config keys: `sat-jax config` prints every key with its default (add --config FILE for",
-        "a method config from configs/); sat_jax/default_config.py documents them. Impossible",
+        "a method config from configs/); sat_jax/config/defaults.py documents them. Impossible",
         "values stop with `sat-jax: error: invalid config: ...` (exit 2) before any compute.",
     ]
     return "\n".join(lines)
@@ -170,7 +170,7 @@ def main(argv):
     if grid_only:
         return _fail(f"--{grid_only[0]} is a flag of compare --grid NAME")
     if command in ("plot", "compare"):
-        from sat_jax.plots import plot_compare, plot_run
+        from sat_jax.run.plots import plot_compare, plot_run
 
         if not rest:
             return _fail(f"{command} needs run directories")
@@ -193,7 +193,7 @@ def main(argv):
                                           _NUM_PROCESSES.value, _PROCESS_ID.value)
     import jax
 
-    from sat_jax.rl.config import ConfigError, validate
+    from sat_jax.config.validation import ConfigError, validate
 
     config = _config()
     if command == "config":
@@ -242,8 +242,8 @@ def compare_grid(rest: list[str]) -> int:
 
     import jax
 
+    from sat_jax.config.validation import ConfigError, validate
     from sat_jax.rl import components, learner
-    from sat_jax.rl.config import ConfigError, validate
     from sat_jax.study import grid as study_grid
     from sat_jax.study import report, runner
 

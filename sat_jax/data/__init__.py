@@ -13,7 +13,13 @@ from sat_jax.data.math_verify import (
     normalize_answer,
     parse_number,
 )
-from sat_jax.data.sources import JsonlSource, ListSource, PromptSource, TaskSource, TfdsSource
+from sat_jax.data.prompt_sources import (
+    JsonlSource,
+    ListSource,
+    PromptSource,
+    TaskSource,
+    TfdsSource,
+)
 from sat_jax.data.tasks import (
     TASKS,
     AdditionTask,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from sat_jax.data.sources import PromptSource
+from sat_jax.data.prompt_sources import PromptSource
 from sat_jax.data.tasks import Example
 
 

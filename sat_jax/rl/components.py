@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from sat_jax import parallel
+from sat_jax.config.validation import loss_spec
 from sat_jax.data import (
     CharTokenizer,
     HFTokenizer,
@@ -24,7 +25,6 @@ from sat_jax.data import (
 )
 from sat_jax.models import ModelConfig, init_model, load_hf, param_shardings
 from sat_jax.rl import sft, trainer
-from sat_jax.rl.config import loss_spec
 from sat_jax.rl.rollout import RolloutEngine
 from sat_jax.sampling import Sampler, SamplingParams
 

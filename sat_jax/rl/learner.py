@@ -5,14 +5,15 @@
 
 The loop (:func:`train`) only reads the next batch, steps, publishes the new version and runs the
 hooks; which version samples which batch and which versions stay in memory is the rollout
-source's business (``sat_jax.rl.sources``), building the components is ``sat_jax.rl.components``,
+source's business (``sat_jax.rl.rollout_sources``), building the components is
+``sat_jax.rl.components``,
 Ctrl-C and timers are ``sat_jax.rl.controls``.
 
 Reproducibility: randomness comes from named streams of the seed (``sat_jax.rl.rng``), the prompt
 iterator, optimizer state and snapshot store are checkpointed, so in the ``fixed`` and
 ``broadcast`` modes a run killed at any point and resumed logs the same metrics as an
 uninterrupted one, each step once. Resuming refuses a workdir whose run has a different config
-(``sat_jax.rl.config.changed_fields``); ``resume=False`` moves an earlier run's outputs aside and
+(``sat_jax.config.changed_fields``); ``resume=False`` moves an earlier run's outputs aside and
 starts over.
 """
 
@@ -27,20 +28,21 @@ from typing import Any
 import jax
 from etils import epath
 
-from sat_jax import default_config, parallel
-from sat_jax.checkpoint import Checkpointer
+from sat_jax import parallel
+from sat_jax.config.validation import changed_fields, loss_spec, plain, validate
 from sat_jax.data import PromptIterator
-from sat_jax.metrics import METRICS_FILE, RunLogger
-from sat_jax.plots import plot_run
-from sat_jax.progress import Progress
 from sat_jax.rl import rng, trainer
 from sat_jax.rl.components import Components, build, build_sources, shared_train_step
-from sat_jax.rl.config import changed_fields, loss_spec, plain, validate
 from sat_jax.rl.controls import StopFlag, Timer
 from sat_jax.rl.lag import LagSchedule, lag_stats
 from sat_jax.rl.rollout import batch_stats, evaluate
-from sat_jax.rl.sources import Rollout, RolloutSource, ScheduledRollouts
+from sat_jax.rl.rollout_sources import Rollout, RolloutSource, ScheduledRollouts
 from sat_jax.rl.stream import StreamRollouts
+from sat_jax.run import workdir as workdir_lib
+from sat_jax.run.checkpoint import Checkpointer
+from sat_jax.run.metrics import METRICS_FILE, RunLogger
+from sat_jax.run.plots import plot_run
+from sat_jax.run.progress import Progress
 
 __all__ = ["Components", "ResumeError", "build", "build_sources", "evaluate_run", "loss_spec",
            "make_source", "train"]
@@ -85,7 +87,7 @@ def _restore_target(state, params, ref_params):
 def evaluate_run(config) -> dict[str, Any]:
     """Held-out evaluation of the latest valid checkpoint of ``config``'s run directory; equal to
     the in-training evaluation at that step."""
-    workdir, ckpt_dir = default_config.run_paths(config)
+    workdir, ckpt_dir = workdir_lib.run_paths(config)
     parts = build(config)
     state = trainer.init_train_state(parts.params, parts.optimizer, parts.mesh,
                                      config=parts.model_cfg)
@@ -259,14 +261,14 @@ class _Session:
 
 
 def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[str, Any]:
-    """Runs (or resumes) a training run; returns a summary. See ``sat_jax.default_config``.
+    """Runs (or resumes) a training run; returns a summary. See ``sat_jax.config``.
 
     Raises:
       ConfigError: ``config`` is impossible (before any compute).
       ResumeError: the workdir holds a run with another config and ``config.resume`` is set.
     """
     validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
-    workdir, ckpt_dir = default_config.run_paths(config)
+    workdir, ckpt_dir = workdir_lib.run_paths(config)
     log = (lambda msg: None) if (quiet or not parallel.is_primary()) else (
         lambda msg: print(msg, flush=True))
     if not config.resume:

@@ -1,8 +1,8 @@
 """A bounded store of parameter versions: the rollout engine samples from these, never from the
 trainer's live parameters, so asynchronous lag is reproduced exactly.
 
-Which versions to keep is the lag mode's business (``sat_jax.rl.sources``): each ``put`` names the
-versions still needed, and the store drops the rest.
+Which versions to keep is the lag mode's business (``sat_jax.rl.rollout_sources``): each ``put``
+names the versions still needed, and the store drops the rest.
 """
 
 from __future__ import annotations

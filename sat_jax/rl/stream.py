@@ -24,8 +24,8 @@ from typing import Any
 
 from sat_jax.rl import rng
 from sat_jax.rl.rollout import RolloutEngine
+from sat_jax.rl.rollout_sources import Rollout
 from sat_jax.rl.snapshots import SnapshotStore
-from sat_jax.rl.sources import Rollout
 
 
 class StreamRollouts:

@@ -3,7 +3,7 @@ operating envelope over learning rate × lag (``envelope``), expanded into one t
 (method, lag, learning rate, seed) cell.
 
 Every method is the built-in default run with the method's objective, R3 and correction swapped
-in (``sat_jax.default_config.method_config``, as ``configs/<method>.py`` does), so the runs of a
+in (``sat_jax.config.method_config``, as ``configs/<method>.py`` does), so the runs of a
 grid differ only in the fields the grid varies, and runs on the same seed share the warm-up, the
 initial parameters and the prompt order: a paired comparison across methods or lags on one seed
 compares the methods, not the luck of the draw.
@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Sequence
 
-from sat_jax import default_config
+from sat_jax import config as config_lib
 
 #: Method name -> (objective, R3, correction): the paper's grid (Table 1), as in configs/.
 METHODS: dict[str, tuple[str, bool, str]] = {
@@ -218,7 +218,7 @@ def method_config(method: str):
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {sorted(METHODS)}")
     objective, r3, correction = METHODS[method]
-    return default_config.method_config(method, objective, r3=r3, correction=correction)
+    return config_lib.method_config(method, objective, r3=r3, correction=correction)
 
 
 def expand(grid: Grid, out_dir: str, *, lag_mode: str = "broadcast",

@@ -1,6 +1,6 @@
 """A study's figures: per-step trajectories in the manner of the paper's Figures 2–4 (one panel per
 method, one colour per lag, seeds as thin lines and their mean bold) and the envelope's heatmaps
-(learning rate × lag). Matplotlib's object-oriented API on an Agg canvas (``sat_jax.plots``)."""
+(learning rate × lag). Matplotlib's object-oriented API on an Agg canvas (``sat_jax.run.plots``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from sat_jax.plots import _new_figure, _series, _window, smooth
+from sat_jax.run.plots import _new_figure, _series, _window, smooth
 
 
 def plot_trajectories(runs: Sequence[tuple[Any, Sequence[Mapping[str, Any]]]], key: str,

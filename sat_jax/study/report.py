@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sat_jax.metrics import read_metrics
+from sat_jax.run.metrics import read_metrics
 from sat_jax.study import plots as study_plots
 from sat_jax.study import runner, stats
 from sat_jax.study.grid import LABELS, Grid

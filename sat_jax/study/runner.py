@@ -22,7 +22,7 @@ ERROR_FILE = "error.txt"
 
 
 def _plain(config) -> dict:
-    from sat_jax.rl.config import plain
+    from sat_jax.config.validation import plain
 
     return json.loads(json.dumps(plain(config), default=str))
 
@@ -37,7 +37,7 @@ def is_finished(config) -> bool:
             done = json.load(f)
     except (OSError, ValueError):
         return False
-    from sat_jax.rl.config import changed_fields
+    from sat_jax.config.validation import changed_fields
 
     stored = done.get("config") or {}
     # changed_fields ignores the fields a resume may change (workdir, logging, ...) but num_steps

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("tokenizers", reason="needs the tokenizers package (sat_jax[hf])")
 pytest.importorskip("safetensors", reason="needs the safetensors package (sat_jax[hf])")
 
-from sat_jax import default_config  # noqa: E402
+from sat_jax import config as config_lib  # noqa: E402
 from sat_jax.models import ModelConfig, init_model, save_hf  # noqa: E402
 from sat_jax.rl import learner  # noqa: E402
 
@@ -49,7 +49,7 @@ def test_hf_checkpoint_trains_through_the_learner(tmp_path):
         json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
         for a, b in rng.integers(0, 50, size=(16, 2))
     ))
-    c = default_config.get_config()
+    c = config_lib.get_config()
     c.workdir = str(tmp_path / "run")
     c.model.hf_path = str(ckpt)
     c.data.tokenizer, c.data.eos_token, c.data.chat_template = str(ckpt), "<|im_end|>", True
@@ -59,7 +59,7 @@ def test_hf_checkpoint_trains_through_the_learner(tmp_path):
     c.num_steps, c.eval.every, c.eval.num_prompts, c.checkpoint.every = 2, 2, 4, 0
     c.log.plots = c.log.tensorboard = c.log.progress = False
     c.mesh.data = 1
-    default_config.validate(c, num_devices=8)
+    config_lib.validate(c, num_devices=8)
     parts = learner.build(c)
     assert parts.model_cfg.vocab_size == 320 and parts.sft_info == {}
     ids, _ = parts.engine.encode([{"prompt": "What is 1 + 2?"}])

@@ -43,10 +43,10 @@ def test_paper_config():
 
 
 def test_paper_config_stops_before_compute_until_paths_are_set():
-    from sat_jax import default_config
+    from sat_jax import config as config_lib
 
     with pytest.raises(ValueError, match="'REQUIRED:.*' does not exist"):
-        default_config.validate(_get_config("qwen3_30b_a3b"), num_devices=8)
+        config_lib.validate(_get_config("qwen3_30b_a3b"), num_devices=8)
 
 
 def test_small_config_builds_a_model():

@@ -13,7 +13,8 @@ process_id, num_processes = int(process_id), int(num_processes)
 if num_processes > 1:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
-from sat_jax import default_config, parallel  # noqa: E402
+from sat_jax import config as config_lib  # noqa: E402
+from sat_jax import parallel  # noqa: E402
 
 parallel.maybe_initialize_distributed(
     "on" if num_processes > 1 else "off", f"127.0.0.1:{port}", num_processes, process_id
@@ -25,7 +26,7 @@ from sat_jax.rl import learner, trainer  # noqa: E402
 
 
 def main():
-    c = default_config.get_config()
+    c = config_lib.get_config()
     c.model.hidden_size, c.model.num_layers, c.model.num_heads = 32, 1, 2
     c.model.num_kv_heads, c.model.head_dim = 1, 16
     c.model.num_experts, c.model.num_experts_per_tok, c.model.moe_intermediate_size = 4, 2, 16

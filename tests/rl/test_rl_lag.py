@@ -12,7 +12,7 @@ import pytest
 
 from sat_jax.rl import LagSchedule, SnapshotStore, lag_stats, rng
 from sat_jax.rl.batch import RolloutBatch
-from sat_jax.rl.sources import ScheduledRollouts
+from sat_jax.rl.rollout_sources import ScheduledRollouts
 from sat_jax.rl.stream import StreamRollouts
 
 

@@ -16,10 +16,11 @@ import numpy as np
 import optax
 import pytest
 
-from sat_jax import default_config, parallel
-from sat_jax.metrics import read_metrics
+from sat_jax import config as config_lib
+from sat_jax import parallel
 from sat_jax.rl import lag_stats, learner, trainer
 from sat_jax.rl.stream import StreamRollouts
+from sat_jax.run.metrics import read_metrics
 from sat_jax.sampling import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -78,7 +79,7 @@ def test_each_config_runs_two_steps(path, tmp_path, cache_dir):
 
 @pytest.mark.parametrize("mode,lag,correction", [("fixed", 2, "tis"), ("broadcast", 3, "kpop")])
 def test_lag_bookkeeping_is_exact(mode, lag, correction, tmp_path, cache_dir, monkeypatch):
-    config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
+    config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
     config.lag_mode, config.lag, config.num_steps = mode, lag, 5
     # TIS needs the behaviour version's snapshot at every step; KPop compares with the current
     # policy (its phi from loss.kpop_phi).
@@ -105,7 +106,7 @@ def test_lag_bookkeeping_is_exact(mode, lag, correction, tmp_path, cache_dir, mo
 
 def test_separate_rollout_device(tmp_path, cache_dir):
     """A rollout device apart from the trainer mesh (the paper's split pools), on one host."""
-    config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
+    config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
     config.mesh.data, config.mesh.rollout_device = 4, 7
     parts = learner.build(config)
     assert parts.rollout_device not in parts.mesh.devices.ravel().tolist()
@@ -114,7 +115,7 @@ def test_separate_rollout_device(tmp_path, cache_dir):
 
 
 def test_stream_mode_records_per_token_versions(tmp_path, cache_dir):
-    config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
+    config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
     config.lag_mode, config.lag, config.num_steps = "stream", 2, 6
     config.rollout.stream_chunk = 1
     hist = learner.train(config, quiet=True)["history"]
@@ -154,7 +155,7 @@ def _same_rows(a, b):
 
 def test_sigkill_between_checkpoints_then_resume_logs_each_step_once(tmp_path, cache_dir):
     def config_for(name):
-        c = tiny(default_config.get_config(), tmp_path / name, cache_dir)
+        c = tiny(config_lib.get_config(), tmp_path / name, cache_dir)
         c.num_steps, c.checkpoint.every, c.lag, c.lag_mode = 7, 2, 2, "fixed"
         c.eval.every = 3
         return c
@@ -199,7 +200,7 @@ def test_sigkill_between_checkpoints_then_resume_logs_each_step_once(tmp_path, c
 
 
 def test_corrupt_latest_checkpoint_falls_back(tmp_path, cache_dir):
-    c = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
+    c = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
     c.num_steps, c.checkpoint.every = 4, 2
     c.snapshot_placement = "host"  # pinned host snapshots go through the checkpoint too
     hist = learner.train(c, quiet=True)["history"]
@@ -214,7 +215,7 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, cache_dir):
 
 
 def test_sharded_step_equals_single_device(tmp_path, cache_dir):
-    config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
+    config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
     config.rollout.prompts_per_step = 4  # 16 sequences: 2 per device on 8 devices
     parts = learner.build(config)
     examples = [parts.train_src[i] for i in range(4)]
@@ -248,7 +249,7 @@ def test_rollout_and_train_step_vmap_over_a_run_axis(tmp_path, cache_dir):
     """SPEC: many small runs as one program over a leading run axis. The sampler and the trainer
     step are pure, so ``jax.vmap`` over stacked parameters, keys, optimizer states and batches
     gives each run what it would get alone."""
-    config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
+    config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
     parts = learner.build(config)
     examples = [parts.train_src[i] for i in range(4)]
     sampler, mesh, runs = parts.engine.sampler, parallel.make_mesh(1), 2
@@ -336,7 +337,7 @@ def test_cli_train_eval_plot(tmp_path, cache_dir):
 def test_stream_worker_swaps_weights_mid_decode(tmp_path, cache_dir):
     """New versions published while a batch decodes are picked up between chunks, and every
     token records the version that produced it."""
-    config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
+    config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
     config.data.max_new_tokens = 6
     parts = learner.build(config)
     prompts = iter(lambda: [parts.train_src[i] for i in range(4)], None)
@@ -401,7 +402,7 @@ def test_jsonl_source_runs_through_the_learner(tmp_path, cache_dir):
         a, b = rng.integers(0, 50, size=2)
         lines.append(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}))
     path.write_text("\n".join(lines) + "\n")
-    config = tiny(default_config.get_config(), tmp_path / "run", cache_dir)
+    config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
     held_out = tmp_path / "held_out.jsonl"
     held_out.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     config.data.source, config.data.path = "jsonl", str(path)

@@ -1,4 +1,4 @@
-"""Tests for sat_jax.checkpoint: round trips, sharded targets, meta-driven targets, walk-back."""
+"""sat_jax.run.checkpoint: round trips, sharded targets, meta-driven targets, walk-back."""
 
 import logging
 import os
@@ -11,7 +11,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sat_jax.checkpoint import Checkpointer
+from sat_jax.run.checkpoint import Checkpointer
 
 
 def _params(seed: int) -> dict:

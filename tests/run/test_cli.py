@@ -31,7 +31,7 @@ def run_cli(capsys, *args):
     """``sat-jax ARGS`` in this process, as ``cli.run`` does it: (exit status, stdout, stderr)."""
     rc = cli.print_help(list(args))
     if rc is None:
-        argv = ["sat-jax", f"--config={cli.default_config_module.__file__}", *args]
+        argv = ["sat-jax", f"--config={cli.defaults_module.__file__}", *args]
         saved = sys.argv
         # ml_collections registers the --config.KEY overrides it finds in sys.argv on parsing.
         sys.argv = argv

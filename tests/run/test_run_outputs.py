@@ -1,5 +1,5 @@
-"""Run outputs: metrics JSONL round trip, resume, TensorBoard (sat_jax.metrics), plots
-(sat_jax.plots), progress (sat_jax.progress), primary-only writing."""
+"""Run outputs: metrics JSONL round trip, resume, TensorBoard (sat_jax.run.metrics), plots
+(sat_jax.run.plots), progress (sat_jax.run.progress), primary-only writing."""
 
 import io
 import json
@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sat_jax.metrics import RunLogger, read_metrics
-from sat_jax.plots import plot_compare, plot_run, smooth
-from sat_jax.progress import Progress
+from sat_jax.run.metrics import RunLogger, read_metrics
+from sat_jax.run.plots import plot_compare, plot_run, smooth
+from sat_jax.run.progress import Progress
 
 _PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -108,7 +108,7 @@ def test_tensorboard_event_file(tmp_path):
 
 
 def test_missing_tensorboardx_warns_and_continues(tmp_path, monkeypatch, caplog):
-    import sat_jax.metrics as run_logging
+    import sat_jax.run.metrics as run_logging
 
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # makes the import fail
     monkeypatch.setattr(run_logging, "_warned_no_tensorboardx", False)
@@ -198,7 +198,7 @@ def test_smooth_is_a_trailing_mean():
 
 
 def test_reward_panel_draws_raw_and_smoothed_lines(tmp_path, monkeypatch):
-    import sat_jax.plots as plots
+    import sat_jax.run.plots as plots
 
     _synthetic_run(tmp_path / "run", seed=0)
     labels = []

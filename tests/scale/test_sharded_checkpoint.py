@@ -15,10 +15,10 @@ import optax
 import pytest
 
 from sat_jax import parallel
-from sat_jax.checkpoint import Checkpointer
 from sat_jax.models import ModelConfig, init_model
 from sat_jax.rl import trainer
 from sat_jax.rl.batch import RolloutBatch
+from sat_jax.run.checkpoint import Checkpointer
 
 CFG = ModelConfig(
     vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8,

@@ -13,7 +13,8 @@ import types
 import pytest
 from _study_cli import invoke
 
-from sat_jax import cli, default_config
+from sat_jax import cli
+from sat_jax import config as config_lib
 from sat_jax.rl import components
 from sat_jax.study import grid as study_grid
 from sat_jax.study import report, runner, stats
@@ -74,7 +75,7 @@ def test_overrides_apply_to_every_run_and_grid_fields_are_refused(tmp_path):
 ])
 def test_override_rejects_bad_input(item, message):
     with pytest.raises(ValueError, match=message):
-        study_grid.apply_override(default_config.get_config(), item)
+        study_grid.apply_override(config_lib.get_config(), item)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -401,7 +402,7 @@ def test_lag_rows_pair_each_method_with_its_lowest_lag():
 
 def test_cli_grid_refuses_config_flags(capsys, tmp_path, no_training):
     rc, _, err = run_cli(capsys, "compare", "--grid=core", f"--out={tmp_path}",
-                         f"--config={cli.default_config_module.__file__}")
+                         f"--config={cli.defaults_module.__file__}")
     assert rc == 2 and "change fields with --set KEY=VALUE, not --config" in err
 
 

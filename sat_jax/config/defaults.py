@@ -3,12 +3,13 @@
 A plain file of defaults: ``configs/*.py`` start from :func:`get_config` and change a few fields;
 ``sat-jax train`` with no ``--config`` runs this file, and ``sat-jax config`` prints it. Every
 field is overridable from the command line (``--config.lag=1``); unknown keys are rejected by
-ml_collections, impossible values by ``sat_jax.rl.config.validate``, before anything runs.
+ml_collections, impossible values by ``sat_jax.config.validate`` (``validation.py``), before
+anything runs.
 
 Loss hyper-parameters: keyword ``h`` of the chosen objective or correction ``name`` is read from
 ``loss.<name>_<h>`` if that field exists (``loss.spo_eps``, ``loss.tis_cap``), else from
 ``loss.<h>`` (``loss.eps_low`` serves every objective that takes ``eps_low``); see
-``sat_jax.rl.config``. A loss keyword without a field keeps the loss's default.
+``sat_jax.config``. A loss keyword without a field keeps the loss's default.
 """
 
 from __future__ import annotations
@@ -170,35 +171,6 @@ def get_config() -> ml_collections.ConfigDict:
     # the others (a rollout mesh and a trainer mesh, as in the paper's split GPU pools).
     c.mesh.rollout_device = -1
     return c
-
-
-def run_dir(config) -> str:
-    return config.workdir or os.path.join(
-        "runs", f"{config.name}-{config.lag_mode}{config.lag}-seed{config.seed}"
-    )
-
-
-def run_paths(config) -> tuple[str, str]:
-    """(local directory for logs and plots, checkpoint directory).
-
-    A URL workdir (``gs://bucket/runs/x``) keeps the checkpoints there, where every host of a
-    slice writes its part and a preempted VM loses nothing, and the metrics, TensorBoard files and
-    plots in ``runs/x`` on the primary host (``launch/fetch.sh`` copies them back).
-    """
-    workdir = run_dir(config)
-    if "://" in workdir:
-        return os.path.abspath(os.path.join("runs", workdir.rstrip("/").rsplit("/", 1)[-1])), (
-            workdir.rstrip("/") + "/checkpoints"
-        )
-    workdir = os.path.abspath(workdir)
-    return workdir, os.path.join(workdir, "checkpoints")
-
-
-def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
-    """``sat_jax.rl.config.validate`` (imported on call: this file stays plain defaults)."""
-    from sat_jax.rl.config import validate as validate_config
-
-    validate_config(config, num_devices=num_devices, num_processes=num_processes)
 
 
 def method_config(name: str, objective: str, *, r3: bool, correction: str = "none", **loss):

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from sat_jax.metrics import read_metrics
+from sat_jax.run.metrics import read_metrics
 
 __all__ = ["PANELS", "SMOOTHED", "plot_compare", "plot_run", "smooth"]
 

@@ -1,4 +1,4 @@
-"""From a run config (``sat_jax.default_config``) to checked, plain arguments.
+"""From a run config (``sat_jax.config``) to checked, plain arguments.
 
 * :func:`validate` rejects an impossible config before any compute, asking each owner: lag modes
   and their bounds from ``sat_jax.rl.lag``, objectives, corrections and their hyper-parameters from

@@ -7,12 +7,12 @@ Layout of a run directory written by :class:`RunLogger` (primary process only)::
                          importable)
       metrics.jsonl      one JSON object per ``log`` call: {"step": int, "time": float, key: value}
       tensorboard/       tensorboardX event files (skipped, with one warning, if not installed)
-      plots/             written by ``sat_jax.plots.plot_run``
+      plots/             written by ``sat_jax.run.plots.plot_run``
 
 Non-finite values: JSON has no NaN or infinity, so ``metrics.jsonl`` stores them as the strings
 ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``; :func:`read_metrics` turns them back into floats.
-TensorBoard receives the float itself. Console progress is ``sat_jax.progress``, plots
-``sat_jax.plots``.
+TensorBoard receives the float itself. Console progress is ``sat_jax.run.progress``, plots
+``sat_jax.run.plots``.
 """
 
 from __future__ import annotations

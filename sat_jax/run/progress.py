@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from sat_jax.metrics import default_is_primary, to_python_scalars
+from sat_jax.run.metrics import default_is_primary, to_python_scalars
 
 __all__ = ["Progress"]
 
