@@ -65,6 +65,15 @@ def test_overrides_apply_to_every_run_and_grid_fields_are_refused(tmp_path):
                           overrides=["optim.learning_rate=1e-3"])
 
 
+def test_override_parses_with_the_field_type():
+    c = config_lib.get_config()
+    for item in ("optim.learning_rate=3e-4", "rollout.group_size=4", "log.plots=false"):
+        study_grid.apply_override(c, item)
+    assert c.optim.learning_rate == 3e-4 and isinstance(c.optim.learning_rate, float)
+    assert c.rollout.group_size == 4 and isinstance(c.rollout.group_size, int)
+    assert c.log.plots is False
+
+
 @pytest.mark.parametrize("item,message", [
     ("optim.nonexistent=1", "unknown config field 'optim.nonexistent'"),
     ("nope.lr=1", "unknown config field 'nope.lr'"),
