@@ -30,6 +30,7 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: install
 	$(VENV)/bin/python benchmarks/losses.py

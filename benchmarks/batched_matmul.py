@@ -68,13 +68,25 @@ def main():
             fn = jax.jit(lambda a, b, eq=eq: jnp.einsum(eq, a, b))
             ja, jb = jnp.asarray(a), jnp.asarray(b)
             row[f"{name}_jax_gflops"] = round(
-                flops / median_seconds(fn, ja, jb, repeats=args.repeats) / 1e9, 1)
+                flops / median_seconds(fn, ja, jb, repeats=args.repeats) / 1e9, 1
+            )
             if torch is not None:
                 row[f"{name}_torch_gflops"] = round(
-                    flops / _torch_seconds(torch, eq, a, b, args.repeats) / 1e9, 1)
+                    flops / _torch_seconds(torch, eq, a, b, args.repeats) / 1e9, 1
+                )
         results.append(row)
-    print(json.dumps({"backend": jax.default_backend(), "jax": jax.__version__,
-                      "rows": args.rows, "d": args.d, "f": args.f, "results": results}))
+    print(
+        json.dumps(
+            {
+                "backend": jax.default_backend(),
+                "jax": jax.__version__,
+                "rows": args.rows,
+                "d": args.d,
+                "f": args.f,
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

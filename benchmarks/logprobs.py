@@ -38,8 +38,9 @@ TEMP = 0.7
 
 
 def _full(hidden, w, targets, cutoffs):
-    logits = jax.lax.dot_general(hidden, w.astype(hidden.dtype), (((2,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+    logits = jax.lax.dot_general(
+        hidden, w.astype(hidden.dtype), (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
     scaled = apply_support_cutoff(scale_logits(logits, TEMP), cutoffs, keep=targets)
     log_probs = jax.nn.log_softmax(scaled, axis=-1)
     logp = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
@@ -71,8 +72,10 @@ def head_case(b, n, d, v, chunks, dtype, repeats):
     fns = {"full": _fwd_bwd(_full)}
     for c in chunks:
         fns[f"chunk_{c}"] = _fwd_bwd(
-            lambda h, w_, y, cut, c=c: chunked_logprobs(h, w_, y, cutoffs=cut, temperature=TEMP,
-                                                       chunk_size=c))
+            lambda h, w_, y, cut, c=c: chunked_logprobs(
+                h, w_, y, cutoffs=cut, temperature=TEMP, chunk_size=c
+            )
+        )
     ms, rounds = interleaved_ms(fns, args, repeats)
     return {
         "shape": {"B": b, "n": n, "d": d, "V": v, "dtype": jnp.dtype(dtype).name},
@@ -92,9 +95,15 @@ def model_case(batch, length, chunk, repeats):
 
     def fwd_bwd(chunk_size):
         def loss(p):
-            logp, ent, _ = token_logprobs(graphdef, p, tokens, response_start=start,
-                                          cutoffs=cutoffs, temperature=TEMP,
-                                          chunk_size=chunk_size)
+            logp, ent, _ = token_logprobs(
+                graphdef,
+                p,
+                tokens,
+                response_start=start,
+                cutoffs=cutoffs,
+                temperature=TEMP,
+                chunk_size=chunk_size,
+            )
             return jnp.sum(logp) + 0.01 * jnp.sum(ent)
 
         return jax.jit(jax.value_and_grad(loss))

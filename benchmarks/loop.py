@@ -56,8 +56,9 @@ from sat_jax.rl import learner, trainer
 from sat_jax.rl.components import build
 
 WARMUP_STEPS = 5
-PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peer",
-                    "tunix_grpo_loop.py")
+PEER = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peer", "tunix_grpo_loop.py"
+)
 
 
 def _config(workdir: str, steps: int, mode: str, lag: int, share_prompt: bool = True):
@@ -132,10 +133,12 @@ def breakdown(workdir: str, lag: int, repeats: int) -> dict:
     host_batch = rollout.batch
     batch = host_batch.shard(parts.mesh)
     graphdef, spec, pw = parts.graphdef, parts.spec, c.data.max_prompt_len
-    step = trainer.make_train_step(graphdef, parts.optimizer, spec, prompt_width=pw,
-                                   mesh=parts.mesh)
-    state = trainer.init_train_state(parts.params, parts.optimizer, parts.mesh,
-                                     config=parts.model_cfg)
+    step = trainer.make_train_step(
+        graphdef, parts.optimizer, spec, prompt_width=pw, mesh=parts.mesh
+    )
+    state = trainer.init_train_state(
+        parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
+    )
     extra = dict(rollout.behaviour)
     params = state.params
     # The step's program: each group's prompt once in every block when the batch allows it
@@ -151,8 +154,9 @@ def breakdown(workdir: str, lag: int, repeats: int) -> dict:
         return jnp.sum(logp) + jnp.sum(entropy)
 
     def loss(p, b):
-        return trainer.policy_loss(p, b, extra, graphdef=graphdef, spec=spec, prompt_width=pw,
-                                   axis_name=None, share=share)
+        return trainer.policy_loss(
+            p, b, extra, graphdef=graphdef, spec=spec, prompt_width=pw, axis_name=None, share=share
+        )
 
     def update(grads, opt_state, p):
         updates, opt_state = parts.optimizer.update(grads, opt_state, p)
@@ -163,20 +167,26 @@ def breakdown(workdir: str, lag: int, repeats: int) -> dict:
     loss_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
     opt = jax.jit(update)
     grads = loss_grad(params, batch)[1]
-    compiled = (step.jitted if share else step.unshared).lower(
-        *step.args(state, batch, extra)).compile()
-    flops = {name: fn.lower(params, batch).compile().cost_analysis().get("flops")
-             for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd))}
+    compiled = (
+        (step.jitted if share else step.unshared).lower(*step.args(state, batch, extra)).compile()
+    )
+    flops = {
+        name: fn.lower(params, batch).compile().cost_analysis().get("flops")
+        for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd))
+    }
     _, metrics = step(state, batch, extra)
-    t = _interleaved({
-        "logprob_fwd": lambda: fwd(params, batch),
-        "logprob_fwd_bwd": lambda: fwd_bwd(params, batch),
-        "loss_and_grad": lambda: loss_grad(params, batch),
-        "optimizer": lambda: opt(grads, state.opt_state, params),
-        "train_step": lambda: compiled(*step.args(state, batch, extra)),
-        "host_to_device": lambda: host_batch.shard(parts.mesh),
-        "metrics_to_host": lambda: {k: float(v) for k, v in parallel.to_host(metrics).items()},
-    }, repeats)
+    t = _interleaved(
+        {
+            "logprob_fwd": lambda: fwd(params, batch),
+            "logprob_fwd_bwd": lambda: fwd_bwd(params, batch),
+            "loss_and_grad": lambda: loss_grad(params, batch),
+            "optimizer": lambda: opt(grads, state.opt_state, params),
+            "train_step": lambda: compiled(*step.args(state, batch, extra)),
+            "host_to_device": lambda: host_batch.shard(parts.mesh),
+            "metrics_to_host": lambda: {k: float(v) for k, v in parallel.to_host(metrics).items()},
+        },
+        repeats,
+    )
     ms = {k: float(np.median(v) * 1e3) for k, v in t.items()}
     bwd_rounds = t["logprob_fwd_bwd"] - t["logprob_fwd"]
     return {
@@ -188,8 +198,10 @@ def breakdown(workdir: str, lag: int, repeats: int) -> dict:
         "logprob_bwd_over_fwd": round(float(np.median(bwd_rounds / t["logprob_fwd"])), 2),
         "loss_ms": round(float(np.median(t["loss_and_grad"] - t["logprob_fwd_bwd"]) * 1e3), 2),
         "step_overhead_ms": round(ms["train_step"] - ms["loss_and_grad"] - ms["optimizer"], 2),
-        "logprob_gflop_fwd_fwd_bwd": [round(flops["fwd"] / 1e9, 3),
-                                      round(flops["fwd_bwd"] / 1e9, 3)],
+        "logprob_gflop_fwd_fwd_bwd": [
+            round(flops["fwd"] / 1e9, 3),
+            round(flops["fwd_bwd"] / 1e9, 3),
+        ],
     }
 
 
@@ -200,8 +212,11 @@ def tunix(python: str, script: str, workdir: str) -> dict:
         return {"skipped": f"tunix does not import in {python}: {probe.stderr.strip()[-300:]}"}
     out = os.path.join(workdir, "tunix.json")
     t0 = time.perf_counter()
-    proc = subprocess.run([python, script, "--embed", "64", "--layers", "2", "--mlp", "128",
-                           "--json", out], capture_output=True, text=True)
+    proc = subprocess.run(
+        [python, script, "--embed", "64", "--layers", "2", "--mlp", "128", "--json", out],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode:
         return {"failed": proc.stderr.strip()[-1000:]}
     with open(out) as f:
@@ -209,7 +224,10 @@ def tunix(python: str, script: str, workdir: str) -> dict:
     warmup = r["loop"]["warmup_steps"]
     step_s = np.array(r["per_step_s"][warmup:])
     return {
-        "tunix": r["tunix"], "jax": r["jax"], "model": r["model"], "loop": r["loop"],
+        "tunix": r["tunix"],
+        "jax": r["jax"],
+        "model": r["model"],
+        "loop": r["loop"],
         "steps_measured": len(step_s),
         "trainer_steps_per_s": float(1.0 / np.median(step_s)),
         "median_step_ms": float(np.median(step_s) * 1e3),
@@ -227,23 +245,40 @@ def main():
     parser.add_argument("--lag", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20, help="rounds of the breakdown")
     parser.add_argument("--no-stream", action="store_true", help="skip the stream-mode run")
-    parser.add_argument("--no-plain", action="store_true",
-                        help="skip the run with loss.share_prompt=False (each row its own prompt)")
-    parser.add_argument("--tunix-python", default="",
-                        help="a python with google-tunix installed: run its GRPO loop beside")
+    parser.add_argument(
+        "--no-plain",
+        action="store_true",
+        help="skip the run with loss.share_prompt=False (each row its own prompt)",
+    )
+    parser.add_argument(
+        "--tunix-python",
+        default="",
+        help="a python with google-tunix installed: run its GRPO loop beside",
+    )
     parser.add_argument("--tunix-script", default=PEER)
     args = parser.parse_args()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         broadcast = run("broadcast", args.steps, args.lag, os.path.join(tmp, "broadcast"))
         # The obvious alternative beside: every row computes its own prompt (trainer and prefill).
-        plain = None if args.no_plain else run("broadcast", args.steps, args.lag,
-                                               os.path.join(tmp, "plain"), share_prompt=False)
-        stream = None if args.no_stream else run("stream", args.steps, args.lag,
-                                                 os.path.join(tmp, "stream"))
+        plain = (
+            None
+            if args.no_plain
+            else run(
+                "broadcast", args.steps, args.lag, os.path.join(tmp, "plain"), share_prompt=False
+            )
+        )
+        stream = (
+            None
+            if args.no_stream
+            else run("stream", args.steps, args.lag, os.path.join(tmp, "stream"))
+        )
         parts = breakdown(os.path.join(tmp, "breakdown"), args.lag, args.repeats)
-        peer = (tunix(args.tunix_python, os.path.abspath(args.tunix_script), tmp)
-                if args.tunix_python else None)
+        peer = (
+            tunix(args.tunix_python, os.path.abspath(args.tunix_script), tmp)
+            if args.tunix_python
+            else None
+        )
     out = {
         "benchmark": "loop",
         "device": f"{jax.default_backend()} ({platform.machine()}, {os.cpu_count()} cores)",
@@ -257,34 +292,45 @@ def main():
     if plain is not None:
         out["broadcast_without_shared_prompts"] = plain
         out["shared_over_plain"] = {
-            "trainer_steps_per_s": round(broadcast["trainer_steps_per_s"]
-                                         / plain["trainer_steps_per_s"], 3),
-            "train_ms (plain / shared)": round(plain["median_train_ms"]
-                                               / broadcast["median_train_ms"], 3),
-            "rollout_ms (plain / shared)": round(plain["median_rollout_ms"]
-                                                 / broadcast["median_rollout_ms"], 3),
+            "trainer_steps_per_s": round(
+                broadcast["trainer_steps_per_s"] / plain["trainer_steps_per_s"], 3
+            ),
+            "train_ms (plain / shared)": round(
+                plain["median_train_ms"] / broadcast["median_train_ms"], 3
+            ),
+            "rollout_ms (plain / shared)": round(
+                plain["median_rollout_ms"] / broadcast["median_rollout_ms"], 3
+            ),
         }
     if stream is not None:
         out["stream"] = stream
         out["stream_over_broadcast_steps_per_s"] = round(
-            stream["trainer_steps_per_s"] / broadcast["trainer_steps_per_s"], 3)
+            stream["trainer_steps_per_s"] / broadcast["trainer_steps_per_s"], 3
+        )
     if peer is None:
-        out["tunix"] = ("not run: pass --tunix-python PYTHON (a venv with `pip install "
-                        "google-tunix`, not this project's) to run "
-                        f"{os.path.relpath(args.tunix_script)} beside ours, or run it yourself: "
-                        "PYTHON tunix_grpo_loop.py --embed 64 --layers 2 --mlp 128 --json out.json")
+        out["tunix"] = (
+            "not run: pass --tunix-python PYTHON (a venv with `pip install "
+            "google-tunix`, not this project's) to run "
+            f"{os.path.relpath(args.tunix_script)} beside ours, or run it yourself: "
+            "PYTHON tunix_grpo_loop.py --embed 64 --layers 2 --mlp 128 --json out.json"
+        )
     else:
         out["tunix"] = peer
         if "trainer_steps_per_s" in peer:
             out["ours_over_tunix"] = {
-                "trainer_steps_per_s": round(broadcast["trainer_steps_per_s"]
-                                             / peer["trainer_steps_per_s"], 3),
+                "trainer_steps_per_s": round(
+                    broadcast["trainer_steps_per_s"] / peer["trainer_steps_per_s"], 3
+                ),
                 "train_ms (tunix / ours: > 1 = ours faster)": round(
-                    peer["median_train_ms"] / broadcast["median_train_ms"], 3),
+                    peer["median_train_ms"] / broadcast["median_train_ms"], 3
+                ),
                 "rollout_ms (tunix / ours)": round(
-                    peer["median_rollout_ms"] / broadcast["median_rollout_ms"], 3),
-                "first_step_train_s (ours, tunix)": [broadcast["first_step_train_s"],
-                                                     peer["first_step_train_s"]],
+                    peer["median_rollout_ms"] / broadcast["median_rollout_ms"], 3
+                ),
+                "first_step_train_s (ours, tunix)": [
+                    broadcast["first_step_train_s"],
+                    peer["first_step_train_s"],
+                ],
             }
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out, indent=1))

@@ -113,17 +113,21 @@ def main():
     quantile_fns = {
         "radix": jax.jit(lambda x, m: losses.quantile(x, m, 0.9, method="radix")),
         "bisect": jax.jit(lambda x, m: losses.quantile(x, m, 0.9, method="bisect")),
-        "jnp_quantile": jax.jit(
-            lambda x: jnp.quantile(x[: n_active], 0.9, method="inverted_cdf")
-        ),
+        "jnp_quantile": jax.jit(lambda x: jnp.quantile(x[:n_active], 0.9, method="inverted_cdf")),
         "lax_top_k": jax.jit(lambda x: -jax.lax.top_k(-x, k)[0][-1]),
     }
     sorted_active = jnp.sort(flat_active)  # outside timing: jnp_quantile gets exactly the actives
-    quantile_args = {"radix": (absd, mask), "bisect": (absd, mask),
-                     "jnp_quantile": (sorted_active,), "lax_top_k": (flat_active,)}
+    quantile_args = {
+        "radix": (absd, mask),
+        "bisect": (absd, mask),
+        "jnp_quantile": (sorted_active,),
+        "lax_top_k": (flat_active,),
+    }
     quantile_ms = {  # the two sorting baselines are slow: 3 repeats
-        name: 1e3 * median_seconds(fn, *quantile_args[name],
-                                   repeats=args.repeats if name in ("radix", "bisect") else 3)
+        name: 1e3
+        * median_seconds(
+            fn, *quantile_args[name], repeats=args.repeats if name in ("radix", "bisect") else 3
+        )
         for name, fn in quantile_fns.items()
     }
     # The floor for any exact selection on this backend: one scatter-add histogram pass (what each
@@ -131,17 +135,17 @@ def main():
     t = jnp.float32(exact_value := float(sorted_active[k - 1]))
     floor_fns = {
         "histogram_pass": jax.jit(
-            lambda x, m: jnp.zeros(1 << 16, jnp.int32)
-            .at[jnp.where(m, jax.lax.bitcast_convert_type(x, jnp.int32) >> 16, 1 << 16).ravel()]
-            .add(1, mode="drop")
+            lambda x, m: (
+                jnp.zeros(1 << 16, jnp.int32)
+                .at[jnp.where(m, jax.lax.bitcast_convert_type(x, jnp.int32) >> 16, 1 << 16).ravel()]
+                .add(1, mode="drop")
+            )
         ),
         "count_pass": jax.jit(lambda x, m: jnp.sum(jnp.where(m & (x <= t), 1, 0))),
     }
     floor_ms, _ = interleaved_ms(floor_fns, (absd, mask), args.repeats)
     exact = exact_value
-    agree = {
-        name: float(quantile_fns[name](absd, mask)) == exact for name in ("radix", "bisect")
-    }
+    agree = {name: float(quantile_fns[name](absd, mask)) == exact for name in ("radix", "bisect")}
     agree["lax_top_k"] = float(quantile_fns["lax_top_k"](flat_active)) == exact
 
     result = {

@@ -81,8 +81,9 @@ def _torch_fns(args, ct, implementation):
     torch.set_num_threads(2)
     x, idx, w, gp, up, dp = (np.array(a) for a in args)
     e, d, f = gp.shape
-    cfg = transformers.Qwen3MoeConfig(hidden_size=d, moe_intermediate_size=f, num_experts=e,
-                                      num_experts_per_tok=idx.shape[1])
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=d, moe_intermediate_size=f, num_experts=e, num_experts_per_tok=idx.shape[1]
+    )
     cfg._experts_implementation = implementation
     mod = Qwen3MoeExperts(cfg)
     with torch.no_grad():  # torch stores [E, out, in]: gate_up = [G; U]ᵀ, down = Dᵀ
@@ -130,9 +131,11 @@ def bench_shape(name, repeats, blocks, with_torch, paths=("dense", "ragged", "bl
     args, ct = _inputs(n, d, e, k, f)
     impls = dict.fromkeys(("dense",) + tuple(p for p in paths if p != "dense"))
     impls.update({f"blocked_b{b}": b for b in blocks})
-    out = {"shape": dict(tokens=n, d=d, experts=e, k=k, f=f),
-           "auto_on_cpu": _resolve("auto", "cpu", n, k, e, None),
-           "default_block": _default_block(n * k, e)}
+    out = {
+        "shape": dict(tokens=n, d=d, experts=e, k=k, f=f),
+        "auto_on_cpu": _resolve("auto", "cpu", n, k, e, None),
+        "default_block": _default_block(n * k, e),
+    }
     fwd_fns, fb_fns, flops = {}, {}, {}
     ref = None
     for impl, block in impls.items():
@@ -177,16 +180,19 @@ def bench_shape(name, repeats, blocks, with_torch, paths=("dense", "ragged", "bl
             if impl in flops:
                 fb_flops = flops[impl]["fwd_bwd"]
                 r["fwd_bwd_gflop"] = round(fb_flops / 1e9, 4)
-                r["bwd_over_fwd_flops"] = round((fb_flops - flops[impl]["fwd"])
-                                                / flops[impl]["fwd"], 2)
+                r["bwd_over_fwd_flops"] = round(
+                    (fb_flops - flops[impl]["fwd"]) / flops[impl]["fwd"], 2
+                )
             if impl != "dense" and not impl.startswith("torch"):
-                r["fwd_bwd_speedup_vs_dense"] = paired_ratio(rounds, "dense/fwd_bwd",
-                                                             f"{impl}/fwd_bwd")
+                r["fwd_bwd_speedup_vs_dense"] = paired_ratio(
+                    rounds, "dense/fwd_bwd", f"{impl}/fwd_bwd"
+                )
         if with_torch and impl != base:
             r[f"fwd_speedup_vs_{base}"] = paired_ratio(rounds, f"{base}/fwd", f"{impl}/fwd")
             if not fwd_only:
-                r[f"fwd_bwd_speedup_vs_{base}"] = paired_ratio(rounds, f"{base}/fwd_bwd",
-                                                               f"{impl}/fwd_bwd")
+                r[f"fwd_bwd_speedup_vs_{base}"] = paired_ratio(
+                    rounds, f"{base}/fwd_bwd", f"{impl}/fwd_bwd"
+                )
         results[impl] = r
     out["impls"] = results
     return out
@@ -197,8 +203,11 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--blocks", default="16,64,128", help="extra block sizes of 'blocked'")
-    ap.add_argument("--paths", default="dense,ragged,blocked",
-                    help="expert_ffn paths to time (dense, the reference, always runs)")
+    ap.add_argument(
+        "--paths",
+        default="dense,ragged,blocked",
+        help="expert_ffn paths to time (dense, the reference, always runs)",
+    )
     ap.add_argument("--no-torch", action="store_true")
     a = ap.parse_args()
     with_torch = not a.no_torch
@@ -220,11 +229,13 @@ def main():
     }
     if with_torch:
         import torch
+
         res["torch"] = torch.__version__
         res["torch_threads"] = 2
     paths = tuple(a.paths.split(","))
-    res["shapes"] = {s: bench_shape(s, a.repeats, blocks, with_torch, paths)
-                     for s in a.shapes.split(",")}
+    res["shapes"] = {
+        s: bench_shape(s, a.repeats, blocks, with_torch, paths) for s in a.shapes.split(",")
+    }
     print(json.dumps(res, indent=1))
 
 

@@ -58,9 +58,11 @@ def main():
     mesh = parallel.make_mesh(1)
     examples = [parts.train_src[i] for i in range(config.rollout.prompts_per_step)]
     tokens, mask, widths = sampler._layout(*engine.encode(examples))
-    sampling = SamplingParams(jnp.float32(engine.sampling.temperature),
-                              jnp.float32(engine.sampling.top_p),
-                              jnp.int32(engine.sampling.top_k))
+    sampling = SamplingParams(
+        jnp.float32(engine.sampling.temperature),
+        jnp.float32(engine.sampling.top_p),
+        jnp.int32(engine.sampling.top_k),
+    )
     steps = jnp.int32(sampler.max_new_tokens)
 
     def generate(params, key):
@@ -69,8 +71,13 @@ def main():
 
     single_generate = jax.jit(generate)
     batched_generate = jax.jit(jax.vmap(generate))
-    step = trainer.make_train_step(parts.graphdef, parts.optimizer, parts.spec,
-                                   prompt_width=config.data.max_prompt_len, mesh=mesh)
+    step = trainer.make_train_step(
+        parts.graphdef,
+        parts.optimizer,
+        parts.spec,
+        prompt_width=config.data.max_prompt_len,
+        mesh=mesh,
+    )
     batched_step = jax.jit(jax.vmap(step, in_axes=(0, 0, None)))
     # One scored batch, reused by every run: the trainer's work does not depend on its values.
     out = engine.generate(parts.params, examples, jax.random.key(0), 0)
@@ -78,13 +85,18 @@ def main():
 
     results = {}
     for runs in [int(r) for r in args.runs.split(",")]:
-        params = [jax.tree.map(lambda x, r=r: x * (1 + 0.01 * r), parts.params)
-                  for r in range(runs)]
+        params = [
+            jax.tree.map(lambda x, r=r: x * (1 + 0.01 * r), parts.params) for r in range(runs)
+        ]
         keys = list(jax.random.split(jax.random.key(1), runs))
-        states = [parallel.replicate(trainer.init_train_state(p, parts.optimizer), mesh)
-                  for p in params]
-        stacked_params, stacked_keys, stacked_states = _stack(params), jnp.stack(keys), _stack(
-            states)
+        states = [
+            parallel.replicate(trainer.init_train_state(p, parts.optimizer), mesh) for p in params
+        ]
+        stacked_params, stacked_keys, stacked_states = (
+            _stack(params),
+            jnp.stack(keys),
+            _stack(states),
+        )
         stacked_batch = jax.tree.map(lambda v, runs=runs: jnp.stack([v] * runs), batch)
 
         def sequential(params=params, keys=keys, states=states):
@@ -103,14 +115,19 @@ def main():
             "speedup": round(seq / vec, 2),
         }
 
-    print(json.dumps({
-        "benchmark": "runs",
-        "device": f"{jax.default_backend()} ({platform.machine()}, {os.cpu_count()} cores)",
-        "jax": jax.__version__,
-        "batch": f"{config.rollout.prompts_per_step} prompts x {config.rollout.group_size} "
-                 f"samples, {config.data.max_new_tokens} new tokens",
-        "study_step": results,
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "benchmark": "runs",
+                "device": f"{jax.default_backend()} ({platform.machine()}, {os.cpu_count()} cores)",
+                "jax": jax.__version__,
+                "batch": f"{config.rollout.prompts_per_step} prompts x {config.rollout.group_size} "
+                f"samples, {config.data.max_new_tokens} new tokens",
+                "study_step": results,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -70,8 +70,9 @@ def main() -> None:
             slot = p - 1 + i
             last = jax.lax.dynamic_index_in_dim(logits, slot, axis=1, keepdims=False)
             y = jax.random.categorical(jax.random.fold_in(key, i), scale_logits(last, 1.0))
-            tokens = jax.lax.dynamic_update_slice_in_dim(tokens, y[:, None].astype(jnp.int32),
-                                                         slot + 1, 1)
+            tokens = jax.lax.dynamic_update_slice_in_dim(
+                tokens, y[:, None].astype(jnp.int32), slot + 1, 1
+            )
             mask = jax.lax.dynamic_update_slice_in_dim(mask, jnp.ones((b, 1), bool), slot + 1, 1)
             return tokens, mask
 
@@ -84,8 +85,9 @@ def main() -> None:
 
     # --- Training log-prob pass with replay, forward and forward + backward.
     out = sampler.finalize(sampler.decode(params, state0, n))
-    lp_kwargs = dict(input_mask=out.input_mask, response_start=p, routing=out.routing,
-                     cutoffs=out.cutoffs)
+    lp_kwargs = dict(
+        input_mask=out.input_mask, response_start=p, routing=out.routing, cutoffs=out.cutoffs
+    )
     fwd = jax.jit(lambda prm: token_logprobs(graphdef, prm, out.tokens, **lp_kwargs)[0])
 
     def loss(prm):
@@ -109,8 +111,12 @@ def main() -> None:
     result = {
         "device": f"{jax.devices()[0].platform} ({platform.processor() or platform.machine()})",
         "jax": jax.__version__,
-        "model": {"config": "ModelConfig.tiny()", "params": param_count(params),
-                  "dtype": str(cfg.dtype), "moe_compute": "dense (all experts)"},
+        "model": {
+            "config": "ModelConfig.tiny()",
+            "params": param_count(params),
+            "dtype": str(cfg.dtype),
+            "moe_compute": "dense (all experts)",
+        },
         "shape": {"batch": b, "prompt_width": p, "new_tokens": n, "repeats": args.repeats},
         "decode": {
             "kv_cache_tokens_per_s": b * steps / t_cache,

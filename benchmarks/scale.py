@@ -38,20 +38,28 @@ def _parse():
     p.add_argument("--seq-len", type=int, default=4096, help="prompt + response tokens")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--layers", type=int, default=0, help="override the depth (0: the model's 48)")
-    p.add_argument("--moe-impl", default="auto",
-                   help="MoE path of the compiled train step (auto: blocked on CPU); the TPU "
-                        "export always uses ragged (grouped matmuls)")
+    p.add_argument(
+        "--moe-impl",
+        default="auto",
+        help="MoE path of the compiled train step (auto: blocked on CPU); the TPU "
+        "export always uses ragged (grouped matmuls)",
+    )
     p.add_argument("--logprob-chunk", type=int, default=512)
-    p.add_argument("--attention-chunk", type=int, default=512,
-                   help="ModelConfig.attention_chunk of the train step (0: all queries at once)")
+    p.add_argument(
+        "--attention-chunk",
+        type=int,
+        default=512,
+        help="ModelConfig.attention_chunk of the train step (0: all queries at once)",
+    )
     p.add_argument("--no-export", action="store_true", help="skip the TPU export")
     return p.parse_args()
 
 
 ARGS = _parse() if __name__ == "__main__" else None
 if ARGS is not None:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={ARGS.devices}")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
+    )
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
@@ -96,8 +104,13 @@ def _memory(compiled) -> dict:
     if m is None:
         return {}
     out = {}
-    for name in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-                 "alias_size_in_bytes", "generated_code_size_in_bytes"):
+    for name in (
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "temp_size_in_bytes",
+        "alias_size_in_bytes",
+        "generated_code_size_in_bytes",
+    ):
         if hasattr(m, name):
             out[name.replace("_in_bytes", "_gib")] = round(getattr(m, name) / GIB, 3)
     return out
@@ -105,8 +118,11 @@ def _memory(compiled) -> dict:
 
 def main(args) -> dict:
     data, fsdp, expert, tensor = (int(v) for v in args.mesh.split(","))
-    overrides = {"remat": "full", "moe_impl": args.moe_impl,
-                 "attention_chunk": args.attention_chunk}
+    overrides = {
+        "remat": "full",
+        "moe_impl": args.moe_impl,
+        "attention_chunk": args.attention_chunk,
+    }
     if args.layers:
         overrides["num_layers"] = args.layers
     cfg = config_from_hf(QWEN3_30B_A3B_CONFIG, dtype=jnp.bfloat16, **overrides)
@@ -137,21 +153,35 @@ def main(args) -> dict:
         },
     }
     ideal = (2 * _total_bytes(params) + _total_bytes(state.opt_state)) / len(jax.devices())
-    out["params_grads_opt_per_device_over_ideal"] = round(
-        (2 * param_bytes + opt_bytes) / ideal, 4)
+    out["params_grads_opt_per_device_over_ideal"] = round((2 * param_bytes + opt_bytes) / ideal, 4)
 
     # ---------------------------------------------------------------- train step
     shards = data * fsdp
     b = args.seqs * shards
     n_resp = args.seq_len - args.prompt_len
     k = cfg.num_experts_per_tok
-    batch = RolloutBatch.abstract(mesh, rows=b, prompt_width=args.prompt_len,
-                                  response_width=n_resp, num_moe_layers=cfg.num_moe_layers,
-                                  experts_per_tok=k)
-    spec_loss = trainer.LossSpec(objective="sat_gspo", r3=True, support_replay=False,
-                                 logprob_chunk=args.logprob_chunk or None)
-    step = trainer.make_train_step(graphdef_for(cfg), optimizer, spec_loss,
-                                   prompt_width=args.prompt_len, mesh=mesh, donate=True)
+    batch = RolloutBatch.abstract(
+        mesh,
+        rows=b,
+        prompt_width=args.prompt_len,
+        response_width=n_resp,
+        num_moe_layers=cfg.num_moe_layers,
+        experts_per_tok=k,
+    )
+    spec_loss = trainer.LossSpec(
+        objective="sat_gspo",
+        r3=True,
+        support_replay=False,
+        logprob_chunk=args.logprob_chunk or None,
+    )
+    step = trainer.make_train_step(
+        graphdef_for(cfg),
+        optimizer,
+        spec_loss,
+        prompt_width=args.prompt_len,
+        mesh=mesh,
+        donate=True,
+    )
     t0 = time.perf_counter()
     lowered = step.lower(state, batch, {})
     t1 = time.perf_counter()
@@ -173,16 +203,25 @@ def main(args) -> dict:
             from jax import export
 
             tpu_cfg = cfg.replace(moe_impl="ragged")
-            tpu_step = trainer.make_train_step(graphdef_for(tpu_cfg), optimizer, spec_loss,
-                                               prompt_width=args.prompt_len, mesh=mesh,
-                                               donate=True)
+            tpu_step = trainer.make_train_step(
+                graphdef_for(tpu_cfg),
+                optimizer,
+                spec_loss,
+                prompt_width=args.prompt_len,
+                mesh=mesh,
+                donate=True,
+            )
             t0 = time.perf_counter()
             exp = export.export(tpu_step.jitted, platforms=["tpu"])(
-                *tpu_step.args(state, batch, {}))
-            out["tpu_export"] = {"ok": True, "platforms": list(exp.platforms),
-                                 "moe_impl": "ragged",
-                                 "stablehlo_mib": round(len(exp.mlir_module()) / 2**20, 2),
-                                 "seconds": round(time.perf_counter() - t0, 1)}
+                *tpu_step.args(state, batch, {})
+            )
+            out["tpu_export"] = {
+                "ok": True,
+                "platforms": list(exp.platforms),
+                "moe_impl": "ragged",
+                "stablehlo_mib": round(len(exp.mlir_module()) / 2**20, 2),
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
         except Exception as err:  # reported, not raised: the rest of the figures stand
             out["tpu_export"] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:400]}
 
@@ -216,13 +255,20 @@ def _attention_memory(cfg, tensor, args) -> dict:
     q = jax.ShapeDtypeStruct((args.seqs, t, kv, g, d), jnp.bfloat16, sharding=one)
     k = jax.ShapeDtypeStruct((args.seqs, t, kv, d), jnp.bfloat16, sharding=one)
     allowed = jax.ShapeDtypeStruct((args.seqs, t, t), jnp.bool_, sharding=one)
-    out = {"rows": args.seqs, "tokens": t, "heads_per_device": kv * g,
-           "temp_gib": {}, "how": "compiled memory_analysis().temp_size_in_bytes, one device"}
+    out = {
+        "rows": args.seqs,
+        "tokens": t,
+        "heads_per_device": kv * g,
+        "temp_gib": {},
+        "how": "compiled memory_analysis().temp_size_in_bytes, one device",
+    }
     programs = {"plain_autodiff": attend_reference, "custom_vjp_whole": attend}
     if args.attention_chunk:
-        programs[f"custom_vjp_chunk_{args.attention_chunk}"] = (
-            lambda q, k, v, a: attend(q, k, v, a, chunk=args.attention_chunk))
+        programs[f"custom_vjp_chunk_{args.attention_chunk}"] = lambda q, k, v, a: attend(
+            q, k, v, a, chunk=args.attention_chunk
+        )
     for name, fn in programs.items():
+
         def loss(q, k, v, a, fn=fn):
             return jnp.sum(fn(q, k, v, a).astype(jnp.float32))
 
@@ -235,17 +281,30 @@ def _attention_memory(cfg, tensor, args) -> dict:
 def _decode(cfg, mesh, params, rows, args) -> dict:
     """One decode step of the bf16 engine: batch over (data, fsdp), KV cache sharded."""
     n_resp = args.seq_len - args.prompt_len
-    sampler = Sampler(cfg.replace(moe_impl="auto"), max_prompt_len=args.prompt_len,
-                      max_new_tokens=n_resp, eos_id=0, dtype=jnp.bfloat16)
+    sampler = Sampler(
+        cfg.replace(moe_impl="auto"),
+        max_prompt_len=args.prompt_len,
+        max_new_tokens=n_resp,
+        eos_id=0,
+        dtype=jnp.bfloat16,
+    )
     i32 = jnp.int32
     t = args.prompt_len + n_resp
     rows_spec = NamedSharding(mesh, P(batch_axes(mesh)))
     key = jax.eval_shape(lambda: jax.random.key(0))
     state = jax.eval_shape(
-        sampler._prefill_impl, params, jax.ShapeDtypeStruct((rows, t), i32),
-        jax.ShapeDtypeStruct((rows, t), jnp.bool_), jax.ShapeDtypeStruct((rows,), i32), key,
-        SamplingParams(jax.ShapeDtypeStruct((), jnp.float32),
-                       jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), i32)))
+        sampler._prefill_impl,
+        params,
+        jax.ShapeDtypeStruct((rows, t), i32),
+        jax.ShapeDtypeStruct((rows, t), jnp.bool_),
+        jax.ShapeDtypeStruct((rows,), i32),
+        key,
+        SamplingParams(
+            jax.ShapeDtypeStruct((), jnp.float32),
+            jax.ShapeDtypeStruct((), jnp.float32),
+            jax.ShapeDtypeStruct((), i32),
+        ),
+    )
     cache = NamedSharding(mesh, cache_spec(mesh))
     routing = NamedSharding(mesh, P(None, batch_axes(mesh)))
     replicated = NamedSharding(mesh, P())
@@ -266,8 +325,12 @@ def _decode(cfg, mesh, params, rows, args) -> dict:
     one = jax.ShapeDtypeStruct((), i32, sharding=replicated)
     t0 = time.perf_counter()
     compiled = jax.jit(sampler._decode_impl).lower(params, state, one, one).compile()
-    return {"rows": rows, "cache_slots": t, "compile_s": round(time.perf_counter() - t0, 1),
-            "memory": _memory(compiled)}
+    return {
+        "rows": rows,
+        "cache_slots": t,
+        "compile_s": round(time.perf_counter() - t0, 1),
+        "memory": _memory(compiled),
+    }
 
 
 def _token_all_gathers(hlo: str, args) -> int:
@@ -280,8 +343,9 @@ def _token_all_gathers(hlo: str, args) -> int:
         if "all-gather" not in line or "=" not in line:
             continue
         shape = re.search(r"=\s*\w+\[([0-9,]*)\]", line)
-        if shape and any(int(s) in (args.seq_len - args.prompt_len,) for s in
-                         shape.group(1).split(",") if s):
+        if shape and any(
+            int(s) in (args.seq_len - args.prompt_len,) for s in shape.group(1).split(",") if s
+        ):
             count += 1
     return count
 

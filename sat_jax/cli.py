@@ -32,10 +32,10 @@ COMMANDS = {
     "config": "print the resolved config (every key, overrides applied) and check it",
     "plot": "write PNG plots of run directories: sat-jax plot RUN_DIR...",
     "compare": "overlay --key across runs (seeds as mean ± std): sat-jax compare RUN_DIR...; "
-               "or run a study grid (methods × lags × learning rates × seeds, resumable) and "
-               "write DIR/results.md, results.csv and plots: sat-jax compare --grid NAME --out "
-               "DIR (each method's config is configs/<method>.py's; --set KEY=VALUE changes "
-               "every run, --config is not read)",
+    "or run a study grid (methods × lags × learning rates × seeds, resumable) and "
+    "write DIR/results.md, results.csv and plots: sat-jax compare --grid NAME --out "
+    "DIR (each method's config is configs/<method>.py's; --set KEY=VALUE changes "
+    "every run, --config is not read)",
 }
 _HELP_WORDS = ("-h", "--help", "-help", "--helpfull", "help")
 
@@ -44,9 +44,11 @@ def _define_config():
     """The --config flag. ml_collections applies the overrides in sys.argv to the default
     config while defining it, so an unknown key fails here, at import: it is kept and reported
     by ``run`` as one error line, and the flag is defined without the bad overrides."""
-    kwargs = dict(default=defaults_module.__file__, lock_config=True,
-                  help_string="ml_collections config file (default: the built-in SAT-GSPO w/ "
-                  "R3 run).")
+    kwargs = dict(
+        default=defaults_module.__file__,
+        lock_config=True,
+        help_string="ml_collections config file (default: the built-in SAT-GSPO w/ R3 run).",
+    )
     try:
         return config_flags.DEFINE_config_file("config", **kwargs), None
     except (AttributeError, KeyError) as e:
@@ -56,52 +58,104 @@ def _define_config():
 _CONFIG, _DEFINE_ERROR = _define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (overrides config.workdir).")
 _MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Stop after this many steps this session.")
-_MULTIHOST = flags.DEFINE_enum("multihost", "auto", ["auto", "on", "off"],
-                               "Initialise jax.distributed for a multi-host slice.")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
-                                   "host:port of process 0 (multi-slice / non-TPU clusters).")
+_MULTIHOST = flags.DEFINE_enum(
+    "multihost", "auto", ["auto", "on", "off"], "Initialise jax.distributed for a multi-host slice."
+)
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 (multi-slice / non-TPU clusters)."
+)
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Explicit process count.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Explicit process id.")
 _KEY = flags.DEFINE_string("key", "eval/pass@1", "Metric to overlay (compare).")
-_OUT = flags.DEFINE_string("out", "compare.png", "Output PNG (compare RUN_DIR...); the study "
-                           "directory (compare --grid, required).")
-_GRID = flags.DEFINE_string("grid", None, "Study grid to run: paper (Table 1's 13 methods), "
-                            "core (GRPO, GSPO, DPPO, SAT-GRPO, SAT-GSPO; R3 as the paper's best "
-                            "runs) or envelope (GRPO and SAT-GRPO over learning rate × lag).")
+_OUT = flags.DEFINE_string(
+    "out",
+    "compare.png",
+    "Output PNG (compare RUN_DIR...); the study directory (compare --grid, required).",
+)
+_GRID = flags.DEFINE_string(
+    "grid",
+    None,
+    "Study grid to run: paper (Table 1's 13 methods), "
+    "core (GRPO, GSPO, DPPO, SAT-GRPO, SAT-GSPO; R3 as the paper's best "
+    "runs) or envelope (GRPO and SAT-GRPO over learning rate × lag).",
+)
 _SEEDS = flags.DEFINE_integer("seeds", None, "Seeds 0..N-1 per cell (compare --grid; default 3).")
-_LAGS = flags.DEFINE_string("lags", None, "Comma-separated lags (compare --grid; default 1,8, "
-                            "envelope 1,2,4,8).")
-_LRS = flags.DEFINE_string("lrs", None, "Comma-separated learning rates (compare --grid; "
-                           "default: the config's, envelope 1e-4,3e-4,1e-3).")
-_METHODS = flags.DEFINE_string("methods", None, "Comma-separated methods replacing the grid's "
-                               "(compare --grid), e.g. grpo,sat_grpo.")
-_BASELINE = flags.DEFINE_string("baseline", None, "Method the paired differences are against "
-                                "(compare --grid; default grpo, core: grpo_r3).")
-_LAG_MODE = flags.DEFINE_enum("lag_mode", "broadcast", ["fixed", "broadcast", "stream"],
-                              "Lag mode of every run (compare --grid).")
-_SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE config override for every run of the "
-                                 "grid, repeatable (compare --grid), e.g. --set num_steps=200.")
-_SHARE = flags.DEFINE_boolean("share_compilation", True, "Reuse the jitted trainer step "
-                              "across runs with the same program (compare --grid).")
+_LAGS = flags.DEFINE_string(
+    "lags", None, "Comma-separated lags (compare --grid; default 1,8, envelope 1,2,4,8)."
+)
+_LRS = flags.DEFINE_string(
+    "lrs",
+    None,
+    "Comma-separated learning rates (compare --grid; "
+    "default: the config's, envelope 1e-4,3e-4,1e-3).",
+)
+_METHODS = flags.DEFINE_string(
+    "methods",
+    None,
+    "Comma-separated methods replacing the grid's (compare --grid), e.g. grpo,sat_grpo.",
+)
+_BASELINE = flags.DEFINE_string(
+    "baseline",
+    None,
+    "Method the paired differences are against (compare --grid; default grpo, core: grpo_r3).",
+)
+_LAG_MODE = flags.DEFINE_enum(
+    "lag_mode",
+    "broadcast",
+    ["fixed", "broadcast", "stream"],
+    "Lag mode of every run (compare --grid).",
+)
+_SET = flags.DEFINE_multi_string(
+    "set",
+    [],
+    "KEY=VALUE config override for every run of the "
+    "grid, repeatable (compare --grid), e.g. --set num_steps=200.",
+)
+_SHARE = flags.DEFINE_boolean(
+    "share_compilation",
+    True,
+    "Reuse the jitted trainer step across runs with the same program (compare --grid).",
+)
 
 # Flags shown by --help, per command (every command takes --config and --config.KEY=VALUE).
 _COMMAND_FLAGS = {
-    "train": ("workdir", "max_steps", "multihost", "coordinator_address", "num_processes",
-              "process_id"),
+    "train": (
+        "workdir",
+        "max_steps",
+        "multihost",
+        "coordinator_address",
+        "num_processes",
+        "process_id",
+    ),
     "eval": ("workdir", "multihost", "coordinator_address", "num_processes", "process_id"),
     "config": ("workdir",),
     "plot": (),
-    "compare": ("key", "out", "grid", "seeds", "lags", "lrs", "methods", "baseline", "lag_mode",
-                "set", "share_compilation"),
+    "compare": (
+        "key",
+        "out",
+        "grid",
+        "seeds",
+        "lags",
+        "lrs",
+        "methods",
+        "baseline",
+        "lag_mode",
+        "set",
+        "share_compilation",
+    ),
 }
 
 
 def usage(command: str | None = None) -> str:
     """The help text of ``sat-jax`` or of one command."""
-    lines = [f"usage: sat-jax {command or 'COMMAND'} [--config FILE] [--config.KEY=VALUE ...] "
-             "[flags]" + {"plot": " RUN_DIR...",
-                          "compare": " RUN_DIR... | --grid NAME --out DIR"}.get(command, ""),
-             ""]
+    lines = [
+        f"usage: sat-jax {command or 'COMMAND'} [--config FILE] [--config.KEY=VALUE ...] "
+        "[flags]"
+        + {"plot": " RUN_DIR...", "compare": " RUN_DIR... | --grid NAME --out DIR"}.get(
+            command, ""
+        ),
+        "",
+    ]
     if command is None:
         lines.append("commands:")
         lines += [f"  {name:<9}{text}" for name, text in COMMANDS.items()]
@@ -160,13 +214,15 @@ def main(argv):
         return status
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
-        return _fail(f"unknown command {command!r}; expected one of {tuple(COMMANDS)} "
-                     "(sat-jax --help)")
+        return _fail(
+            f"unknown command {command!r}; expected one of {tuple(COMMANDS)} (sat-jax --help)"
+        )
 
     if command == "compare" and _GRID.present:
         return compare_grid(rest)
-    grid_only = [n for n in ("seeds", "lags", "lrs", "methods", "baseline", "set")
-                 if flags.FLAGS[n].present]
+    grid_only = [
+        n for n in ("seeds", "lags", "lrs", "methods", "baseline", "set") if flags.FLAGS[n].present
+    ]
     if grid_only:
         return _fail(f"--{grid_only[0]} is a flag of compare --grid NAME")
     if command in ("plot", "compare"):
@@ -189,8 +245,9 @@ def main(argv):
         return _fail(f"unexpected arguments {rest}")
     from sat_jax import parallel
 
-    parallel.maybe_initialize_distributed(_MULTIHOST.value, _COORDINATOR.value,
-                                          _NUM_PROCESSES.value, _PROCESS_ID.value)
+    parallel.maybe_initialize_distributed(
+        _MULTIHOST.value, _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value
+    )
     import jax
 
     from sat_jax.config.validation import ConfigError, validate
@@ -221,16 +278,21 @@ def main(argv):
         hist = summary["history"]
         first = hist[0]["train/reward_mean"] if hist else float("nan")
         last = sum(h["train/reward_mean"] for h in hist[-10:]) / max(len(hist[-10:]), 1)
-        print(json.dumps({
-            "workdir": summary["workdir"],
-            "steps": [summary["start_step"], summary["end_step"]],
-            "finished_before": summary["finished"],
-            "interrupted": summary["interrupted"],
-            "wall_seconds": round(summary["wall_seconds"], 1),
-            "train_reward_first_step": first,
-            "train_reward_last10_mean": last,
-            "final_eval": summary["final_eval"],
-        }, indent=1))
+        print(
+            json.dumps(
+                {
+                    "workdir": summary["workdir"],
+                    "steps": [summary["start_step"], summary["end_step"]],
+                    "finished_before": summary["finished"],
+                    "interrupted": summary["interrupted"],
+                    "wall_seconds": round(summary["wall_seconds"], 1),
+                    "train_reward_first_step": first,
+                    "train_reward_last10_mean": last,
+                    "final_eval": summary["final_eval"],
+                },
+                indent=1,
+            )
+        )
     return 130 if summary["interrupted"] else 0
 
 
@@ -251,33 +313,42 @@ def compare_grid(rest: list[str]) -> int:
         return _fail(f"compare --grid takes no run directories, got {rest}")
     if not _OUT.present:
         return _fail("compare --grid needs --out DIR (the study directory)")
-    if any(flags.FLAGS[n].present for n in flags.FLAGS if n == "config" or
-           n.startswith("config.")):
-        return _fail("compare --grid builds each method's config itself (configs/<method>.py); "
-                     "change fields with --set KEY=VALUE, not --config")
+    if any(flags.FLAGS[n].present for n in flags.FLAGS if n == "config" or n.startswith("config.")):
+        return _fail(
+            "compare --grid builds each method's config itself (configs/<method>.py); "
+            "change fields with --set KEY=VALUE, not --config"
+        )
     out = _OUT.value
     if os.path.isfile(out):
         return _fail(f"--out {out!r} is a file; compare --grid needs a directory")
     try:
         lags = study_grid.parse_ints(_LAGS.value, "--lags") if _LAGS.value is not None else None
         lrs = study_grid.parse_floats(_LRS.value, "--lrs") if _LRS.value is not None else None
-        methods = (study_grid.parse_methods(_METHODS.value) if _METHODS.value is not None
-                   else None)
-        grid = study_grid.resolve(_GRID.value, seeds=_SEEDS.value, lags=lags, lrs=lrs,
-                                  methods=methods, baseline=_BASELINE.value)
+        methods = study_grid.parse_methods(_METHODS.value) if _METHODS.value is not None else None
+        grid = study_grid.resolve(
+            _GRID.value,
+            seeds=_SEEDS.value,
+            lags=lags,
+            lrs=lrs,
+            methods=methods,
+            baseline=_BASELINE.value,
+        )
         runs = study_grid.expand(grid, out, lag_mode=_LAG_MODE.value, overrides=_SET.value)
         for spec, config in runs:
             try:
-                validate(config, num_devices=jax.device_count(),
-                         num_processes=jax.process_count())
+                validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
             except ConfigError as e:
                 raise ValueError(f"run {spec.name}: {e}") from None
     except ValueError as e:
         return _fail(str(e))
     command = "sat-jax " + shlex.join(sys.argv[1:])
-    print(f"study {grid.name}: {len(runs)} runs ({len(grid.methods)} methods × "
-          f"{len(grid.lags)} lags × {len(grid.lrs or (None,))} learning rates × {grid.seeds} "
-          f"seeds) in {out}", file=sys.stderr, flush=True)
+    print(
+        f"study {grid.name}: {len(runs)} runs ({len(grid.methods)} methods × "
+        f"{len(grid.lags)} lags × {len(grid.lrs or (None,))} learning rates × {grid.seeds} "
+        f"seeds) in {out}",
+        file=sys.stderr,
+        flush=True,
+    )
     sat_eps = [c.loss.eps_high for s, c in runs if s.method.startswith("sat_")]
     status, invocation = 0, None
     t0 = time.perf_counter()
@@ -286,16 +357,25 @@ def compare_grid(rest: list[str]) -> int:
 
     def write(progress, plots=True):
         last.update(progress)
-        return report.write(out, grid, runs, command=command, lag_mode=_LAG_MODE.value,
-                            overrides=_SET.value, invocation=progress,
-                            eps=sat_eps[0] if sat_eps else 0.2, plots=plots)
+        return report.write(
+            out,
+            grid,
+            runs,
+            command=command,
+            lag_mode=_LAG_MODE.value,
+            overrides=_SET.value,
+            invocation=progress,
+            eps=sat_eps[0] if sat_eps else 0.2,
+            plots=plots,
+        )
 
     shared, components.SHARE_TRAIN_STEPS = components.SHARE_TRAIN_STEPS, _SHARE.value
     try:
         # results.md and results.csv after every run (plots at the end): a long grid can be read
         # while it runs.
-        invocation = runner.run_all(runs, fatal=learner.ResumeError,
-                                    after_run=lambda progress: write(progress, plots=False))
+        invocation = runner.run_all(
+            runs, fatal=learner.ResumeError, after_run=lambda progress: write(progress, plots=False)
+        )
         if invocation["failed"]:
             status = 1
     except runner.Interrupted:
@@ -304,8 +384,10 @@ def compare_grid(rest: list[str]) -> int:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         status = 130
     except learner.ResumeError as e:
-        return _fail(f"{e} (the study directory holds runs of another config: use another --out "
-                     "or the same --set flags)")
+        return _fail(
+            f"{e} (the study directory holds runs of another config: use another --out "
+            "or the same --set flags)"
+        )
     finally:
         components.SHARE_TRAIN_STEPS = shared
     if invocation is None:  # interrupted: what the runs before it did
@@ -314,9 +396,11 @@ def compare_grid(rest: list[str]) -> int:
     for path in (written["md"], written["csv"], *written["plots"]):
         print(path)
     if invocation["failed"]:
-        print(f"sat-jax: {len(invocation['failed'])} runs failed: "
-              f"{', '.join(invocation['failed'])} (tracebacks in their error.txt)",
-              file=sys.stderr)
+        print(
+            f"sat-jax: {len(invocation['failed'])} runs failed: "
+            f"{', '.join(invocation['failed'])} (tracebacks in their error.txt)",
+            file=sys.stderr,
+        )
     return status
 
 

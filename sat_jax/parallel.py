@@ -28,9 +28,12 @@ TENSOR = "tensor"
 MESH_AXES = (DATA, FSDP, EXPERT, TENSOR)
 
 
-def maybe_initialize_distributed(mode: str = "auto", coordinator_address: str | None = None,
-                                 num_processes: int | None = None,
-                                 process_id: int | None = None) -> bool:
+def maybe_initialize_distributed(
+    mode: str = "auto",
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> bool:
     """Calls ``jax.distributed.initialize()`` when running on several hosts.
 
     Args:
@@ -60,13 +63,15 @@ def maybe_initialize_distributed(mode: str = "auto", coordinator_address: str | 
     if process_id is not None:
         kwargs["process_id"] = process_id
     jax.distributed.initialize(**kwargs)
-    _log.info("jax.distributed initialised: process %d of %d", jax.process_index(),
-              jax.process_count())
+    _log.info(
+        "jax.distributed initialised: process %d of %d", jax.process_index(), jax.process_count()
+    )
     return True
 
 
-def make_mesh(num_data: int = -1, devices=None, *, fsdp: int = 1, expert: int = 1,
-              tensor: int = 1) -> jax.sharding.Mesh:
+def make_mesh(
+    num_data: int = -1, devices=None, *, fsdp: int = 1, expert: int = 1, tensor: int = 1
+) -> jax.sharding.Mesh:
     """A ``(data, fsdp, expert, tensor)`` mesh of ``num_data · fsdp · expert · tensor`` devices.
 
     Args:
@@ -92,8 +97,9 @@ def make_mesh(num_data: int = -1, devices=None, *, fsdp: int = 1, expert: int = 
     grid = np.array(devices[: n * inner]).reshape(n, fsdp, expert, tensor)
     # Auto axes: placement comes from the inputs' NamedShardings and shard_map's specs, so code that
     # is not sharding-aware (the sampler's cache updates) runs unchanged on replicated inputs.
-    return jax.sharding.Mesh(grid, MESH_AXES,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+    return jax.sharding.Mesh(
+        grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    )
 
 
 def replicate(tree, mesh):

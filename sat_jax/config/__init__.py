@@ -8,8 +8,15 @@ The validation names are imported on first use, so that reading the defaults (``
 
 from sat_jax.config.defaults import get_config, method_config
 
-_VALIDATION = ("RESUMABLE", "ConfigError", "changed_fields", "loss_kwargs", "loss_spec", "plain",
-               "validate")
+_VALIDATION = (
+    "RESUMABLE",
+    "ConfigError",
+    "changed_fields",
+    "loss_kwargs",
+    "loss_spec",
+    "plain",
+    "validate",
+)
 
 __all__ = ["get_config", "method_config", *_VALIDATION]
 

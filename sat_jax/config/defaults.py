@@ -77,7 +77,6 @@ def get_config() -> ml_collections.ConfigDict:
     # most [rows, heads, c, keys] scores live (long sequences; same values).
     c.model.attention_chunk = 0
 
-
     # Rollout engine: bfloat16 against the float32 trainer reproduces the engine mismatch.
     c.rollout = ml_collections.ConfigDict()
     c.rollout.dtype = "bfloat16"

@@ -36,8 +36,16 @@ ZERO_MEANS_DEFAULT = ("dual_clip", "delta")
 
 #: Fields a resumed run may change: they decide how long and how visibly a run goes, not what
 #: it learns.
-RESUMABLE = ("num_steps", "resume", "workdir", "log", "checkpoint", "eval.every", "mesh",
-             "sft.cache_dir")
+RESUMABLE = (
+    "num_steps",
+    "resume",
+    "workdir",
+    "log",
+    "checkpoint",
+    "eval.every",
+    "mesh",
+    "sft.cache_dir",
+)
 
 _CORRECTION_OFF = "none"
 
@@ -107,8 +115,10 @@ def _check_loss(config) -> None:
     if c.objective not in objectives:
         _fail(f"loss.objective {c.objective!r} is not one of {objectives}")
     if c.correction != _CORRECTION_OFF and c.correction not in corrections:
-        _fail(f"loss.correction must be {_CORRECTION_OFF!r} or one of {corrections}, got "
-              f"{c.correction!r}")
+        _fail(
+            f"loss.correction must be {_CORRECTION_OFF!r} or one of {corrections}, got "
+            f"{c.correction!r}"
+        )
     if c.aggregation not in losses.AGGREGATIONS:
         _fail(f"loss.aggregation must be one of {losses.AGGREGATIONS}, got {c.aggregation!r}")
     # The configured objective and correction, then every other config field some loss takes,
@@ -119,8 +129,11 @@ def _check_loss(config) -> None:
         checks.append((c.correction, loss_kwargs(c, c.correction)))
     covered = {_config_key(c, name, h) for name, kw in checks for h in kw}  # config keys
     for name in objectives + corrections:
-        extra = {h: v for h, v in loss_kwargs(c, name, required=False).items()
-                 if _config_key(c, name, h) not in covered}
+        extra = {
+            h: v
+            for h, v in loss_kwargs(c, name, required=False).items()
+            if _config_key(c, name, h) not in covered
+        }
         if extra:
             checks.append((name, extra))
             covered |= {_config_key(c, name, h) for h in extra}
@@ -128,8 +141,9 @@ def _check_loss(config) -> None:
         try:
             registry.check(name, kwargs, aggregation=c.aggregation)
         except (ValueError, TypeError) as e:
-            keys = [f"loss.{_config_key(c, name, h)}={kwargs[h]!r}" for h in _named(e)
-                    if h in kwargs] or [f"loss.{_config_key(c, name, h)}" for h in kwargs]
+            keys = [
+                f"loss.{_config_key(c, name, h)}={kwargs[h]!r}" for h in _named(e) if h in kwargs
+            ] or [f"loss.{_config_key(c, name, h)}" for h in kwargs]
             _fail(f"{', '.join(keys)} (checked by {name!r}): {e}")
     if not (c.kl_coef >= 0 and math.isfinite(c.kl_coef)):
         _fail(f"loss.kl_coef must be >= 0, got {c.kl_coef}")
@@ -196,8 +210,10 @@ def _check_data(config) -> None:
                 _fail(f"{what} {path!r} does not exist (data.source=jsonl)")
     if d.source == "tfds" and not d.tfds_name:
         _fail("data.tfds_name is required for data.source=tfds")
-    for what, path in (("model.hf_path", config.model.hf_path),
-                       ("data.tokenizer", "" if d.tokenizer == "char" else d.tokenizer)):
+    for what, path in (
+        ("model.hf_path", config.model.hf_path),
+        ("data.tokenizer", "" if d.tokenizer == "char" else d.tokenizer),
+    ):
         if path and not os.path.exists(os.path.expanduser(path)):
             _fail(f"{what} {path!r} does not exist")
     if config.model.hf_path and d.tokenizer == "char":
@@ -214,15 +230,21 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
     if r.dtype not in ("float32", "bfloat16"):
         _fail(f"rollout.dtype must be float32|bfloat16, got {r.dtype!r}")
     if not 0 < r.top_p <= 1 or not r.temperature > 0:
-        _fail(f"rollout.top_p must be in (0, 1] and rollout.temperature > 0, got {r.top_p}, "
-              f"{r.temperature}")
+        _fail(
+            f"rollout.top_p must be in (0, 1] and rollout.temperature > 0, got {r.top_p}, "
+            f"{r.temperature}"
+        )
     if r.top_k < 0 or r.stream_chunk < 1:
-        _fail(f"rollout.top_k must be >= 0 and rollout.stream_chunk >= 1, got {r.top_k}, "
-              f"{r.stream_chunk}")
+        _fail(
+            f"rollout.top_k must be >= 0 and rollout.stream_chunk >= 1, got {r.top_k}, "
+            f"{r.stream_chunk}"
+        )
     m = config.mesh
     if m.rollout_device >= 0 and num_processes > 1:
-        _fail("mesh.rollout_device is a single-host option; multi-host runs sample on each "
-              "process's own replica (mesh.rollout_device=-1)")
+        _fail(
+            "mesh.rollout_device is a single-host option; multi-host runs sample on each "
+            "process's own replica (mesh.rollout_device=-1)"
+        )
     if m.rollout_device >= num_devices:
         _fail(f"mesh.rollout_device={m.rollout_device} is not one of the {num_devices} devices")
     available = num_devices - (1 if m.rollout_device >= 0 else 0)
@@ -232,16 +254,22 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
     inner = m.fsdp * m.expert * m.tensor
     data = available // inner if m.data == -1 else m.data
     if data < 1 or data * inner > available:
-        _fail(f"mesh (data={m.data}, fsdp={m.fsdp}, expert={m.expert}, tensor={m.tensor}) needs "
-              f"{max(data, 1) * inner} trainer devices, {available} available")
+        _fail(
+            f"mesh (data={m.data}, fsdp={m.fsdp}, expert={m.expert}, tensor={m.tensor}) needs "
+            f"{max(data, 1) * inner} trainer devices, {available} available"
+        )
     n_dev = data * m.fsdp  # the batch is split over data x fsdp
     batch, mb = g * p, config.optim.num_minibatches
     if mb < 1 or batch % mb:
-        _fail(f"the rollout batch ({p} prompts x {g} samples = {batch}) must split into "
-              f"optim.num_minibatches={mb} equal minibatches")
+        _fail(
+            f"the rollout batch ({p} prompts x {g} samples = {batch}) must split into "
+            f"optim.num_minibatches={mb} equal minibatches"
+        )
     if (batch // mb) % n_dev:
-        _fail(f"each minibatch ({batch // mb} sequences) must divide evenly over {n_dev} "
-              "batch shards (mesh data x fsdp)")
+        _fail(
+            f"each minibatch ({batch // mb} sequences) must divide evenly over {n_dev} "
+            "batch shards (mesh data x fsdp)"
+        )
 
 
 def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
@@ -266,8 +294,10 @@ def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
     _check_rollout(config, num_devices, num_processes)
     s = config.sft
     if s.steps < 0 or s.batch_size < 1 or not s.learning_rate > 0:
-        _fail(f"sft.steps must be >= 0, sft.batch_size >= 1 and sft.learning_rate > 0, got "
-              f"{s.steps}, {s.batch_size}, {s.learning_rate}")
+        _fail(
+            f"sft.steps must be >= 0, sft.batch_size >= 1 and sft.learning_rate > 0, got "
+            f"{s.steps}, {s.batch_size}, {s.learning_rate}"
+        )
     if config.eval.every < 0 or config.checkpoint.every < 0:
         _fail("eval.every and checkpoint.every must be >= 0 (0 disables)")
     if config.eval.num_prompts < 1:
@@ -298,5 +328,8 @@ def changed_fields(stored: dict[str, Any], config) -> list[str]:
     def resumable(key):
         return any(key == r or key.startswith(r + ".") for r in RESUMABLE)
 
-    return [f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}"
-            for k in sorted(set(old) | set(new)) if not resumable(k) and old.get(k) != new.get(k)]
+    return [
+        f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}"
+        for k in sorted(set(old) | set(new))
+        if not resumable(k) and old.get(k) != new.get(k)
+    ]

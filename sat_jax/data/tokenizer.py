@@ -290,8 +290,9 @@ class HFTokenizer:
         if eos_token is None:
             eos_token = _token_name(extra.get("eos_token"))
         if eos_token is None:
-            eos_token = next((t for t in _EOS_CANDIDATES if self._tok.token_to_id(t) is not None),
-                             None)
+            eos_token = next(
+                (t for t in _EOS_CANDIDATES if self._tok.token_to_id(t) is not None), None
+            )
         if eos_token is None:
             raise ValueError(
                 f"{file}: no eos_token given, none in tokenizer_config.json and none of "
@@ -348,8 +349,9 @@ class HFTokenizer:
         enable_thinking: bool | None = None,
     ) -> str:
         """The prompt string of ``messages`` in the Qwen chat format (``qwen_chat_prompt``)."""
-        return qwen_chat_prompt(messages, add_generation_prompt=add_generation_prompt,
-                                enable_thinking=enable_thinking)
+        return qwen_chat_prompt(
+            messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+        )
 
     def encode_chat(
         self,
@@ -359,9 +361,13 @@ class HFTokenizer:
         enable_thinking: bool | None = None,
     ) -> list[int]:
         """Ids of ``apply_chat_template(messages, ...)``."""
-        return self.encode(self.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt,
-            enable_thinking=enable_thinking))
+        return self.encode(
+            self.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                enable_thinking=enable_thinking,
+            )
+        )
 
     def batch_encode(
         self, texts: Sequence[str], pad_to: int | None = None
@@ -391,8 +397,7 @@ class HFTokenizer:
 
 
 def load_tokenizer(spec: str | os.PathLike, **kwargs: Any) -> Tokenizer:
-    """``"char"`` → the built-in ``CharTokenizer``; a local path → ``HFTokenizer(path, **kwargs)``.
-    """
+    """``"char"``: the built-in ``CharTokenizer``; a local path: ``HFTokenizer(path, **kwargs)``."""
     if str(spec) == "char":
         return CharTokenizer(**kwargs)
     return HFTokenizer(spec, **kwargs)

@@ -450,7 +450,7 @@ def spo(
 ) -> _base.LossOutput:
     """SPO: clipping replaced by a quadratic penalty (Eq. 48).
 
-        S = r·A − |A|/(2ε)·(r − 1)²,   stationary at r* = 1 + sign(A)·ε (PPO's edge).
+    S = r·A − |A|/(2ε)·(r − 1)²,   stationary at r* = 1 + sign(A)·ε (PPO's edge).
     """
     _base.check_hparam("eps", eps, low=0.0, low_open=True)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
@@ -470,7 +470,7 @@ def drpo(
 ) -> _base.LossOutput:
     """DRPO: SPO's penalty in DPPO's sampled-TV geometry (Eq. 49).
 
-        S = r·A − |A|/(2δ)·μ·(r − 1)²,   μ = exp(behavior_logp).
+    S = r·A − |A|/(2δ)·μ·(r − 1)²,   μ = exp(behavior_logp).
     """
     _base.check_hparam("delta", delta, low=0.0, low_open=True)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
@@ -603,7 +603,13 @@ def sat_gspo(
     # sequence scores weighted by their active-token counts: one pass over [B], not [B, T].
     counts = jnp.sum(prep.mask.astype(jnp.int32), axis=1)
     q, gated, c_minus, c_plus = _sat_contraction(
-        seq_lr, counts > 0, float(alpha), hill_exponent, kernel, axis_name, quantile_method,
+        seq_lr,
+        counts > 0,
+        float(alpha),
+        hill_exponent,
+        kernel,
+        axis_name,
+        quantile_method,
         weights=counts,
     )
     return _clip_objective(

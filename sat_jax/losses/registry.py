@@ -127,8 +127,9 @@ def correction_weights(name: str, *, logp, old_logp, behavior_logp, mask, **hpar
     """
     first = old_logp if correction_reference(name) == "old" else logp
     if first is None:
-        raise ValueError(f"correction {name!r} needs `old_logp` (the behaviour version's "
-                         "recomputed log-probs)")
+        raise ValueError(
+            f"correction {name!r} needs `old_logp` (the behaviour version's recomputed log-probs)"
+        )
     return get(name)(first, behavior_logp, mask, **hparams)
 
 
@@ -146,5 +147,6 @@ def check(name: str, hparams: dict[str, Any], *, aggregation: str = "token-mean"
         return
     fn = get(name)
     adv = jax.ShapeDtypeStruct((1,), jnp.float32)
-    jax.eval_shape(lambda a, b, c, m: fn(a, b, c, m, aggregation=aggregation, **hparams),
-                   logp, logp, adv, mask)
+    jax.eval_shape(
+        lambda a, b, c, m: fn(a, b, c, m, aggregation=aggregation, **hparams), logp, logp, adv, mask
+    )

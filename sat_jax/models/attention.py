@@ -33,8 +33,9 @@ import jax.numpy as jnp
 MASKED = float(jnp.finfo(jnp.float32).min)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *,
-           chunk: int = 0) -> jax.Array:
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *, chunk: int = 0
+) -> jax.Array:
     """softmax(q·kᵀ/√D, masked to ``allowed``)·v for grouped queries.
 
     Args:
@@ -49,12 +50,16 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array, *,
       [B, t, kv, g, D] in q's dtype.
     """
     if q.ndim != 5 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"attend: q must be [B, t, kv, g, D] and k, v [B, s, kv, D], got "
-                         f"q {q.shape}, k {k.shape}, v {v.shape}")
+        raise ValueError(
+            f"attend: q must be [B, t, kv, g, D] and k, v [B, s, kv, D], got "
+            f"q {q.shape}, k {k.shape}, v {v.shape}"
+        )
     b, t, hk, _, d = q.shape
     if k.shape[0] != b or k.shape[2:] != (hk, d) or allowed.shape != (b, t, k.shape[1]):
-        raise ValueError(f"attend: shapes disagree: q {q.shape}, k {k.shape}, allowed "
-                         f"{allowed.shape} (want allowed [B, t, s] = {(b, t, k.shape[1])})")
+        raise ValueError(
+            f"attend: shapes disagree: q {q.shape}, k {k.shape}, allowed "
+            f"{allowed.shape} (want allowed [B, t, s] = {(b, t, k.shape[1])})"
+        )
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
         raise ValueError(f"attend: chunk must be a non-negative int, got {chunk!r}")
     if chunk == 0 or chunk >= t:
@@ -121,8 +126,7 @@ def _chunk_bwd(q, km, vm, allowed, out, lse, dout):
     summed over chunks)."""
     qm, dom, om = _queries(q), _queries(dout), _queries(out)
     p = jnp.exp(_scores(qm, km, allowed, q.shape[3]) - lse)
-    dv = jnp.einsum("bkms,bkmd->bksd", p.astype(vm.dtype), dom,
-                    preferred_element_type=jnp.float32)
+    dv = jnp.einsum("bkms,bkmd->bksd", p.astype(vm.dtype), dom, preferred_element_type=jnp.float32)
     dp = jnp.einsum("bkmd,bksd->bkms", dom, vm).astype(jnp.float32)
     delta = jnp.sum(dom.astype(jnp.float32) * om.astype(jnp.float32), axis=-1, keepdims=True)
     ds = (p * (dp - delta) * (1.0 / float(q.shape[-1]) ** 0.5)).astype(q.dtype)
@@ -154,8 +158,9 @@ def _attention_fwd(q, k, v, allowed, n):
     if n == 1:
         out, lse = _chunk_fwd(q, km, vm, allowed)
     else:
-        out, lse = jax.lax.map(lambda qa: _chunk_fwd(qa[0], km, vm, qa[1]),
-                               (_chunks(q, n), _chunks(allowed, n)))
+        out, lse = jax.lax.map(
+            lambda qa: _chunk_fwd(qa[0], km, vm, qa[1]), (_chunks(q, n), _chunks(allowed, n))
+        )
         out = _unchunk(out)
     return out, (q, k, v, allowed, out, lse)
 
@@ -166,14 +171,17 @@ def _attention_bwd(n, res, dout):
     if n == 1:
         dq, dk, dv = _chunk_bwd(q, km, vm, allowed, out, lse, dout)
     else:
+
         def step(carry, xs):
             dq, dk, dv = _chunk_bwd(xs[0], km, vm, xs[1], xs[2], xs[3], xs[4])
             return (carry[0] + dk, carry[1] + dv), dq
 
         zeros = jnp.zeros_like(km, jnp.float32)  # keeps k's varying axes under shard_map
         (dk, dv), dq = jax.lax.scan(
-            step, (zeros, zeros),
-            (_chunks(q, n), _chunks(allowed, n), _chunks(out, n), lse, _chunks(dout, n)))
+            step,
+            (zeros, zeros),
+            (_chunks(q, n), _chunks(allowed, n), _chunks(out, n), lse, _chunks(dout, n)),
+        )
         dq = _unchunk(dq)
     return dq, _keys(dk).astype(k.dtype), _keys(dv).astype(v.dtype), None
 

@@ -103,24 +103,42 @@ class ModelConfig:
         if isinstance(remat, bool):  # the old boolean option
             remat = "full" if remat else "none"
         if remat not in REMAT_POLICIES:
-            raise ValueError(f"ModelConfig.remat must be one of {REMAT_POLICIES} or a bool, "
-                             f"got {self.remat!r}")
+            raise ValueError(
+                f"ModelConfig.remat must be one of {REMAT_POLICIES} or a bool, got {self.remat!r}"
+            )
         object.__setattr__(self, "remat", remat)
-        if (isinstance(self.scan_unroll, bool) or not isinstance(self.scan_unroll, int)
-                or self.scan_unroll < 1):
-            raise ValueError(f"ModelConfig.scan_unroll must be a positive int, "
-                             f"got {self.scan_unroll!r}")
-        if (isinstance(self.attention_chunk, bool) or not isinstance(self.attention_chunk, int)
-                or self.attention_chunk < 0):
-            raise ValueError(f"ModelConfig.attention_chunk must be a non-negative int, "
-                             f"got {self.attention_chunk!r}")
+        if (
+            isinstance(self.scan_unroll, bool)
+            or not isinstance(self.scan_unroll, int)
+            or self.scan_unroll < 1
+        ):
+            raise ValueError(
+                f"ModelConfig.scan_unroll must be a positive int, got {self.scan_unroll!r}"
+            )
+        if (
+            isinstance(self.attention_chunk, bool)
+            or not isinstance(self.attention_chunk, int)
+            or self.attention_chunk < 0
+        ):
+            raise ValueError(
+                f"ModelConfig.attention_chunk must be a non-negative int, "
+                f"got {self.attention_chunk!r}"
+            )
         if self.moe_impl not in MOE_IMPLS:
-            raise ValueError(f"ModelConfig.moe_impl must be one of {MOE_IMPLS}, "
-                             f"got {self.moe_impl!r}")
+            raise ValueError(
+                f"ModelConfig.moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}"
+            )
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
         positive = (
-            "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-            "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -145,8 +163,9 @@ class ModelConfig:
         floats = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in floats:
-                raise ValueError(f"ModelConfig.{name} must be a float dtype, got "
-                                 f"{getattr(self, name)}")
+                raise ValueError(
+                    f"ModelConfig.{name} must be a float dtype, got {getattr(self, name)}"
+                )
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:

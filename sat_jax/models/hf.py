@@ -65,8 +65,13 @@ from sat_jax.models.sharding import param_path
 from sat_jax.models.transformer import abstract_params, graphdef_for, param_shardings
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES", "config_from_hf", "config_to_hf", "hf_tensor_shapes", "load_hf",
-    "param_path", "save_hf",
+    "SUPPORTED_MODEL_TYPES",
+    "config_from_hf",
+    "config_to_hf",
+    "hf_tensor_shapes",
+    "load_hf",
+    "param_path",
+    "save_hf",
 ]
 
 CONFIG_FILE = "config.json"
@@ -130,8 +135,10 @@ class _Entry:
 def _layout(config: ModelConfig) -> list[_Entry]:
     """Every parameter of ``Transformer(config)`` with its HF tensor names."""
     entries = [_Entry(("embed_tokens",), ("model.embed_tokens.weight",), "copy")]
-    for stack, ids in (("moe_layers", config.moe_layer_ids),
-                       ("dense_layers", config.dense_layer_ids)):
+    for stack, ids in (
+        ("moe_layers", config.moe_layer_ids),
+        ("dense_layers", config.dense_layer_ids),
+    ):
         if not ids:
             continue
         n = len(ids)
@@ -141,21 +148,26 @@ def _layout(config: ModelConfig) -> list[_Entry]:
 
         own = [
             (("input_layernorm", "weight"), *per_layer("input_layernorm.weight", "copy")),
-            (("post_attention_layernorm", "weight"),
-             *per_layer("post_attention_layernorm.weight", "copy")),
+            (
+                ("post_attention_layernorm", "weight"),
+                *per_layer("post_attention_layernorm.weight", "copy"),
+            ),
         ]
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            own.append((("self_attn", proj, "kernel"),
-                        *per_layer(f"self_attn.{proj}.weight", "linear")))
+            own.append(
+                (("self_attn", proj, "kernel"), *per_layer(f"self_attn.{proj}.weight", "linear"))
+            )
         for norm in ("q_norm", "k_norm"):
-            own.append((("self_attn", norm, "weight"),
-                        *per_layer(f"self_attn.{norm}.weight", "copy")))
+            own.append(
+                (("self_attn", norm, "weight"), *per_layer(f"self_attn.{norm}.weight", "copy"))
+            )
         if stack == "moe_layers":
             own.append((("mlp", "gate", "kernel"), *per_layer("mlp.gate.weight", "linear")))
             e = config.num_experts
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                names = tuple(f"model.layers.{i}.mlp.experts.{x}.{proj}.weight"
-                              for i in ids for x in range(e))
+                names = tuple(
+                    f"model.layers.{i}.mlp.experts.{x}.{proj}.weight" for i in ids for x in range(e)
+                )
                 own.append((("mlp", proj), names, "linear", (n, e)))
         else:
             for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -169,7 +181,7 @@ def _layout(config: ModelConfig) -> list[_Entry]:
 
 def _hf_shape(entry: _Entry, shape: tuple[int, ...]) -> tuple[int, ...]:
     """Shape of each HF tensor of ``entry`` given the parameter's (stacked) shape."""
-    inner = tuple(shape[len(entry.lead):])
+    inner = tuple(shape[len(entry.lead) :])
     return inner if entry.kind == "copy" else inner[::-1]
 
 
@@ -262,8 +274,9 @@ class _Reader:
     def check(self, name: str, shape: tuple[int, ...]) -> None:
         got = tuple(self._slice(name).get_shape())
         if got != tuple(shape):
-            raise ValueError(f"tensor {name} in {self.files[name]} has shape {got}, expected "
-                             f"{tuple(shape)}")
+            raise ValueError(
+                f"tensor {name} in {self.files[name]} has shape {got}, expected {tuple(shape)}"
+            )
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """The part ``index`` (slices in the file's own layout) of tensor ``name``."""
@@ -281,11 +294,13 @@ def _read_shard(reader: _Reader, entry: _Entry, shape, index, dtype) -> np.ndarr
     nl = len(entry.lead)
     lead_ix, inner_ix = index[:nl], index[nl:]
     hf_ix = inner_ix if entry.kind == "copy" else inner_ix[::-1]
-    out = np.empty(tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True)),
-                   dtype)
-    strides = [math.prod(entry.lead[j + 1:]) for j in range(nl)]
-    for pos in itertools.product(*(range(*s.indices(n)) for s, n in zip(lead_ix, entry.lead,
-                                                                        strict=True))):
+    out = np.empty(
+        tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True)), dtype
+    )
+    strides = [math.prod(entry.lead[j + 1 :]) for j in range(nl)]
+    for pos in itertools.product(
+        *(range(*s.indices(n)) for s, n in zip(lead_ix, entry.lead, strict=True))
+    ):
         flat = sum(p * st for p, st in zip(pos, strides, strict=True))
         part = reader.read(entry.names[flat], hf_ix)
         part = part if entry.kind == "copy" else part.T
@@ -354,8 +369,12 @@ def load_hf(
             seen: dict[tuple, np.ndarray] = {}  # replicas of one shard are read once
 
             def shard(index):
-                key = tuple((s.start, s.stop, s.step) for s in _concrete(
-                    tuple(index) + (slice(None),) * (len(shape) - len(index)), shape))
+                key = tuple(
+                    (s.start, s.stop, s.step)
+                    for s in _concrete(
+                        tuple(index) + (slice(None),) * (len(shape) - len(index)), shape
+                    )
+                )
                 if key not in seen:
                     seen[key] = _read_shard(reader, entry, shape, index, pdt)
                 return seen[key]
@@ -378,8 +397,17 @@ def _parse_size(size: int | str) -> int:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), re.IGNORECASE)
         if not m:
             raise ValueError(f"max_shard_size must be an int or like '5GB', got {size!r}")
-        units = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-                 "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+        units = {
+            "B": 1,
+            "KB": 10**3,
+            "MB": 10**6,
+            "GB": 10**9,
+            "TB": 10**12,
+            "KIB": 2**10,
+            "MIB": 2**20,
+            "GIB": 2**30,
+            "TIB": 2**40,
+        }
         n = int(float(m.group(1)) * units[(m.group(2) or "B").upper()])
     if n <= 0:
         raise ValueError(f"max_shard_size must be positive, got {size!r}")
@@ -390,9 +418,7 @@ def _tensors_for_save(
     config: ModelConfig, params: nnx.State
 ) -> Iterator[tuple[str, tuple[int, ...], Any, str, tuple[int, ...]]]:
     """(name, hf shape, leaf, kind, index into the leaf) per HF tensor, in checkpoint order."""
-    leaves = {
-        param_path(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
+    leaves = {param_path(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
     entries = _layout(config)
     expected = {e.path for e in entries}
     if set(leaves) != expected:
@@ -402,8 +428,11 @@ def _tensors_for_save(
             f"missing {_name_list(map(str, missing))}; unexpected {_name_list(map(str, extra))}"
         )
     shapes = _abstract_shapes(config)
-    wrong = [f"{p}: {tuple(leaf.shape)}, config needs {shapes[p]}"
-             for p, leaf in leaves.items() if tuple(leaf.shape) != shapes[p]]
+    wrong = [
+        f"{p}: {tuple(leaf.shape)}, config needs {shapes[p]}"
+        for p, leaf in leaves.items()
+        if tuple(leaf.shape) != shapes[p]
+    ]
     if wrong:
         raise ValueError(f"params do not match config: shapes differ at {_name_list(wrong)}")
     out = []
@@ -465,16 +494,23 @@ def save_hf(
         size += n
     total = sum(nbytes(t[1], t[2]) for t in tensors)
     disk_dtype = out_dtype or jnp.dtype(tensors[0][2].dtype)
-    torch_dtype = next(k for k, v in _FLOAT_DTYPES.items() if v == disk_dtype) \
-        if disk_dtype in _FLOAT_DTYPES.values() else "float32"
+    torch_dtype = (
+        next(k for k, v in _FLOAT_DTYPES.items() if v == disk_dtype)
+        if disk_dtype in _FLOAT_DTYPES.values()
+        else "float32"
+    )
 
     path.mkdir(parents=True, exist_ok=True)
     for old in path.iterdir():
         if old.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.match(old.name):
             old.unlink()
     with open(path / CONFIG_FILE, "w") as f:
-        json.dump(config_to_hf(config, base=hf_config, torch_dtype=torch_dtype), f, indent=2,
-                  sort_keys=True)
+        json.dump(
+            config_to_hf(config, base=hf_config, torch_dtype=torch_dtype),
+            f,
+            indent=2,
+            sort_keys=True,
+        )
 
     n_shards = len(shards)
     weight_map: dict[str, str] = {}

@@ -115,9 +115,7 @@ def config_from_hf(
     if num_experts > 0:
         step = int(hf.get("decoder_sparse_step") or 1)
         listed = {int(i) for i in (hf.get("mlp_only_layers") or [])}
-        mlp_only = tuple(
-            i for i in range(num_layers) if i in listed or (i + 1) % step != 0
-        )
+        mlp_only = tuple(i for i in range(num_layers) if i in listed or (i + 1) % step != 0)
         moe = dict(
             num_experts=num_experts,
             num_experts_per_tok=int(_require(hf, "num_experts_per_tok")),

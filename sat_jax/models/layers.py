@@ -151,8 +151,13 @@ class Attention(nnx.Module):
             return self.o_proj(out.reshape(b, t, hk * g * hd)), None
         if cache is not None:
             zero = jnp.zeros((), jnp.int32)
-            start = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(cache_index, jnp.int32),
-                     zero, zero)
+            start = (
+                jnp.asarray(layer, jnp.int32),
+                zero,
+                jnp.asarray(cache_index, jnp.int32),
+                zero,
+                zero,
+            )
             k_full = jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), start)
             v_full = jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), start)
             new_cache = LayerCache(k_full, v_full)
@@ -186,8 +191,9 @@ def _shared_prefix_attention(q, k, v, kv_mask, shared_prefix, chunk=0):
     grp, p = shared_prefix
     n, t = q.shape[:2]
     r = (t - p) // grp
-    out_prefix = attend(q[:, :p], k[:, :p], v[:, :p], _causal_allowed(p, p, kv_mask[:, :p]),
-                        chunk=chunk)
+    out_prefix = attend(
+        q[:, :p], k[:, :p], v[:, :p], _causal_allowed(p, p, kv_mask[:, :p]), chunk=chunk
+    )
 
     def rows(a):  # [n, t, ...] → the G rows' own positions [n·G, R, ...]
         return a[:, p:].reshape((n * grp, r) + a.shape[2:])
@@ -198,9 +204,15 @@ def _shared_prefix_attention(q, k, v, kv_mask, shared_prefix, chunk=0):
 
     own = _causal_allowed(r, r, rows(kv_mask))
     prefix_mask = jnp.broadcast_to(kv_mask[:, None, None, :p], (n, grp, r, p)).reshape(
-        n * grp, r, p)
-    out_rows = attend(rows(q), with_prefix(k), with_prefix(v),
-                      jnp.concatenate([prefix_mask, own], axis=2), chunk=chunk)
+        n * grp, r, p
+    )
+    out_rows = attend(
+        rows(q),
+        with_prefix(k),
+        with_prefix(v),
+        jnp.concatenate([prefix_mask, own], axis=2),
+        chunk=chunk,
+    )
     return jnp.concatenate([out_prefix, out_rows.reshape((n, grp * r) + q.shape[2:])], axis=1)
 
 
@@ -291,8 +303,9 @@ class MoE(nnx.Module):
         self.up_proj = _normal(rngs, (e, d, f), std, pdt)
         self.down_proj = _normal(rngs, (e, f, d), std, pdt)
         if cfg.shared_expert_intermediate_size > 0:
-            self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size, std=std, rngs=rngs,
-                                     dtype=pdt)
+            self.shared_expert = MLP(
+                d, cfg.shared_expert_intermediate_size, std=std, rngs=rngs, dtype=pdt
+            )
             self.shared_expert_gate = Dense(d, 1, std=std, rngs=rngs, dtype=pdt)
         else:
             self.shared_expert = None
@@ -318,10 +331,15 @@ class MoE(nnx.Module):
         # computes only its own experts (expert axis); plain calls (the sampler) run locally.
         mesh = jax.sharding.get_abstract_mesh()
         y = expert_ffn(
-            x.reshape(n, d), indices.reshape(n, self.k), weights.reshape(n, self.k),
-            self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt),
-            self.down_proj[...].astype(dt), impl=self.impl,
-            mesh=None if mesh.empty else mesh, token_axes=BATCH_AXES,
+            x.reshape(n, d),
+            indices.reshape(n, self.k),
+            weights.reshape(n, self.k),
+            self.gate_proj[...].astype(dt),
+            self.up_proj[...].astype(dt),
+            self.down_proj[...].astype(dt),
+            impl=self.impl,
+            mesh=None if mesh.empty else mesh,
+            token_axes=BATCH_AXES,
         ).reshape(b, t, d)
         if self.shared_expert is not None:
             y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -265,8 +265,12 @@ def token_logprobs(
         # rather than let chunked_logprobs' own range check reject them.
         vocab = model.config.vocab_size
         logp, entropy = chunked_logprobs(
-            out.hidden, model.lm_head_weight(), jnp.clip(targets, 0, vocab - 1), cutoffs=cutoffs,
-            temperature=temperature, chunk_size=chunk_size,
+            out.hidden,
+            model.lm_head_weight(),
+            jnp.clip(targets, 0, vocab - 1),
+            cutoffs=cutoffs,
+            temperature=temperature,
+            chunk_size=chunk_size,
         )
     aux = {
         "routing": out.routing,
@@ -274,4 +278,3 @@ def token_logprobs(
         "aux_loss": model.config.router_aux_loss_coef * out.load_balancing_loss,
     }
     return logp, entropy, aux
-

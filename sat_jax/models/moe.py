@@ -169,8 +169,9 @@ def expert_ffn(
     Returns:
       y [N, d] in x's dtype.
     """
-    num_experts = _check_inputs(x, indices, weights, gate_proj, up_proj, down_proj, impl,
-                                block_size)
+    num_experts = _check_inputs(
+        x, indices, weights, gate_proj, up_proj, down_proj, impl, block_size
+    )
     ep = 1
     if mesh is not None and expert_axis in mesh.shape:
         ep = int(mesh.shape[expert_axis])
@@ -180,18 +181,42 @@ def expert_ffn(
             f"(gate_proj.shape[0] = {num_experts})"
         )
     # An AbstractMesh (traced under ``use_abstract_mesh``) has no devices: the default backend.
-    platform = (mesh.devices.flat[0].platform if isinstance(mesh, jax.sharding.Mesh)
-                else jax.default_backend())
+    platform = (
+        mesh.devices.flat[0].platform
+        if isinstance(mesh, jax.sharding.Mesh)
+        else jax.default_backend()
+    )
     weights = weights.astype(x.dtype)
     token_axes = tuple(a for a in token_axes if mesh is not None and mesh.shape.get(a, 1) > 1)
     if ep == 1 and not token_axes:
         path = _resolve(impl, platform, x.shape[0], indices.shape[1], num_experts, block_size)
-        return _local_ffn(path, x, indices, weights, gate_proj, up_proj, down_proj,
-                          offset=0, block_size=block_size)
-    return _sharded(x, indices, weights, gate_proj, up_proj, down_proj, impl=impl,
-                    platform=platform, mesh=mesh, axis=expert_axis, ep=ep,
-                    split_tokens=split_tokens and ep > 1, token_axes=token_axes,
-                    block_size=block_size)
+        return _local_ffn(
+            path,
+            x,
+            indices,
+            weights,
+            gate_proj,
+            up_proj,
+            down_proj,
+            offset=0,
+            block_size=block_size,
+        )
+    return _sharded(
+        x,
+        indices,
+        weights,
+        gate_proj,
+        up_proj,
+        down_proj,
+        impl=impl,
+        platform=platform,
+        mesh=mesh,
+        axis=expert_axis,
+        ep=ep,
+        split_tokens=split_tokens and ep > 1,
+        token_axes=token_axes,
+        block_size=block_size,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,8 +324,9 @@ def _local_ffn(path, x, indices, weights, gate_proj, up_proj, down_proj, *, offs
         group_start = jnp.cumsum(sizes) - sizes
     else:
         block = block_size or _default_block(m, e)
-        nb, groups = _block_groups(_num_blocks(m, e, block), *gate_proj.shape[1:],
-                                   jnp.dtype(gate_proj.dtype).itemsize)
+        nb, groups = _block_groups(
+            _num_blocks(m, e, block), *gate_proj.shape[1:], jnp.dtype(gate_proj.dtype).itemsize
+        )
         rows = nb * block
         padded = (sizes + block - 1) // block * block
         ends = jnp.cumsum(padded)
@@ -315,16 +341,29 @@ def _local_ffn(path, x, indices, weights, gate_proj, up_proj, down_proj, *, offs
     # row_of_pair: pair → row (sentinel `rows` for sink pairs); pair_of_row: row → pair
     # (sentinel m for padding rows). They are inverse maps on the pairs that are computed.
     row_of_pair = jnp.where(local < e, group_start[safe] + rank, rows).reshape(m)
-    pair_of_row = jnp.full((rows,), m, jnp.int32).at[row_of_pair].set(
-        jnp.arange(m, dtype=jnp.int32), mode="drop")
+    pair_of_row = (
+        jnp.full((rows,), m, jnp.int32)
+        .at[row_of_pair]
+        .set(jnp.arange(m, dtype=jnp.int32), mode="drop")
+    )
 
     # ep = 1 (offset a Python 0): every pair is local, so row_of_pair is in range everywhere and
     # its gathers need no out-of-range fill (a select over the gathered buffer on XLA:CPU).
     sink = not (isinstance(offset, int) and offset == 0)
     if path == "blocked":
         with jax.named_scope("experts"):
-            return _blocked_ffn(x, weights, gate_proj, up_proj, down_proj, pair_of_row,
-                                row_of_pair.reshape(n, k), block_expert, sink, groups)
+            return _blocked_ffn(
+                x,
+                weights,
+                gate_proj,
+                up_proj,
+                down_proj,
+                pair_of_row,
+                row_of_pair.reshape(n, k),
+                block_expert,
+                sink,
+                groups,
+            )
     with jax.named_scope("dispatch"):
         x_rows = _dispatch(x, pair_of_row, row_of_pair.reshape(n, k), sink)  # padding rows: 0
     with jax.named_scope("experts"):
@@ -337,8 +376,11 @@ def _dense(x, local_indices, weights, gate_proj, up_proj, down_proj):
     """Every (local) expert on every token, gates scattered to [N, E] (today's MoE.__call__)."""
     n, e = x.shape[0], gate_proj.shape[0]
     # Index E (other devices' experts) is dropped; duplicates add up, as in the other paths.
-    gates = jnp.zeros((n, e), x.dtype).at[jnp.arange(n)[:, None], local_indices].add(
-        weights, mode="drop")
+    gates = (
+        jnp.zeros((n, e), x.dtype)
+        .at[jnp.arange(n)[:, None], local_indices]
+        .add(weights, mode="drop")
+    )
     g = jnp.einsum("nd,edf->nef", x, gate_proj)
     u = jnp.einsum("nd,edf->nef", x, up_proj)
     h = jax.nn.silu(g) * u * gates[..., None]
@@ -356,8 +398,9 @@ def _ragged_experts(x_rows, sizes, gate_proj, up_proj, down_proj):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
-def _blocked_ffn(x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair,
-                 block_expert, sink, groups):
+def _blocked_ffn(
+    x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair, block_expert, sink, groups
+):
     """Dispatch, the blocked expert matmuls and the combine as one function with its own VJP.
 
     Rows r < R = nb·B of the sorted buffer: token τ(r) = pair_of_row[r] // k (N, an appended
@@ -384,8 +427,18 @@ def _blocked_ffn(x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_
     expert gradients in float32), so that no more than nb/groups gathered block weights
     [·, d, f] are live: at Qwen3-30B-A3B's widths all of a shard's blocks at once are tens of GiB.
     """
-    y, _ = _blocked_ffn_fwd(x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair,
-                            block_expert, sink, groups)
+    y, _ = _blocked_ffn_fwd(
+        x,
+        weights,
+        gate_proj,
+        up_proj,
+        down_proj,
+        pair_of_row,
+        row_of_pair,
+        block_expert,
+        sink,
+        groups,
+    )
     return y
 
 
@@ -415,28 +468,36 @@ def _blocks_bwd(xb, dyb, w_b, g, u, block_expert, gate_proj, up_proj, down_proj)
     sig = jax.nn.sigmoid(g)
     dg = dh * u * (sig * (1 + g * (1 - sig)))
     du = dh * sg
-    per_block = (jnp.einsum("bnd,bnf->bdf", xb, dg), jnp.einsum("bnd,bnf->bdf", xb, du),
-                 jnp.einsum("bnf,bnd->bfd", h, dyb * w_b))
-    g_rows = (jnp.einsum("bnf,bdf->bnd", dg, _of_blocks(gate_proj, block_expert))
-              + jnp.einsum("bnf,bdf->bnd", du, _of_blocks(up_proj, block_expert)))
+    per_block = (
+        jnp.einsum("bnd,bnf->bdf", xb, dg),
+        jnp.einsum("bnd,bnf->bdf", xb, du),
+        jnp.einsum("bnf,bnd->bfd", h, dyb * w_b),
+    )
+    g_rows = jnp.einsum("bnf,bdf->bnd", dg, _of_blocks(gate_proj, block_expert)) + jnp.einsum(
+        "bnf,bdf->bnd", du, _of_blocks(up_proj, block_expert)
+    )
     return g_w_rows, g_rows, per_block
 
 
-def _blocked_ffn_fwd(x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair,
-                     block_expert, sink, groups):
+def _blocked_ffn_fwd(
+    x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair, block_expert, sink, groups
+):
     nb, k = block_expert.shape[0], row_of_pair.shape[1]
     x_rows, w_rows = _token_rows(x, pair_of_row, k), _pair_rows(weights, pair_of_row)
     xb = x_rows.reshape(nb, -1, x.shape[1])
     if groups == 1:
         g, u, y_rows = _blocks_fwd(xb, block_expert, gate_proj, up_proj, down_proj)
     else:  # a group of blocks at a time: at most nb/groups gathered weights live
-        g, u, y_rows = (a.reshape((nb,) + a.shape[2:]) for a in jax.lax.map(
-            lambda a: _blocks_fwd(a[0], a[1], gate_proj, up_proj, down_proj),
-            (_groups(xb, groups), _groups(block_expert, groups))))
+        g, u, y_rows = (
+            a.reshape((nb,) + a.shape[2:])
+            for a in jax.lax.map(
+                lambda a: _blocks_fwd(a[0], a[1], gate_proj, up_proj, down_proj),
+                (_groups(xb, groups), _groups(block_expert, groups)),
+            )
+        )
     y_rows = (y_rows.reshape(x_rows.shape) * w_rows[:, None]).astype(x.dtype)
     y = _sum_pairs(y_rows, row_of_pair, sink)
-    res = (x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair, block_expert,
-           g, u)
+    res = (x, weights, gate_proj, up_proj, down_proj, pair_of_row, row_of_pair, block_expert, g, u)
     return y, res
 
 
@@ -451,22 +512,28 @@ def _blocked_ffn_bwd(sink, groups, res, g_y):
     like = (gate_proj, up_proj, down_proj)
 
     def to_experts(acc, per_block, be):  # Σ over each expert's blocks (sorted): a window scatter
-        return acc.at[be].add(per_block.astype(acc.dtype), indices_are_sorted=True,
-                              mode="promise_in_bounds")
+        return acc.at[be].add(
+            per_block.astype(acc.dtype), indices_are_sorted=True, mode="promise_in_bounds"
+        )
 
     if groups == 1:
         g_w_rows, g_rows, per_block = _blocks_bwd(xb, dyb, w_b, g, u, block_expert, *like)
-        g_gate, g_up, g_down = (to_experts(jnp.zeros_like(w), p, block_expert)
-                                for w, p in zip(like, per_block, strict=True))
+        g_gate, g_up, g_down = (
+            to_experts(jnp.zeros_like(w), p, block_expert)
+            for w, p in zip(like, per_block, strict=True)
+        )
     else:  # the expert gradients summed over the groups in float32
+
         def step(acc, a):
             g_w_rows, g_rows, per_block = _blocks_bwd(*a, *like)
             acc = tuple(to_experts(s, p, a[5]) for s, p in zip(acc, per_block, strict=True))
             return acc, (g_w_rows, g_rows)
 
         acc, (g_w_rows, g_rows) = jax.lax.scan(
-            step, tuple(jnp.zeros_like(w, jnp.float32) for w in like),
-            tuple(_groups(a, groups) for a in (xb, dyb, w_b, g, u, block_expert)))
+            step,
+            tuple(jnp.zeros_like(w, jnp.float32) for w in like),
+            tuple(_groups(a, groups) for a in (xb, dyb, w_b, g, u, block_expert)),
+        )
         g_gate, g_up, g_down = (s.astype(w.dtype) for s, w in zip(acc, like, strict=True))
     g_w = _gather_rows(g_w_rows.reshape(-1), row_of_pair, not sink).astype(weights.dtype)
     g_x = _sum_pairs(g_rows.reshape(x_rows.shape), row_of_pair, sink)
@@ -551,8 +618,9 @@ def _combine_fwd(y_rows, weights, row_of_pair, pair_of_row, sink):
 def _combine_bwd(sink, res, g_y):
     y_pairs, weights, pair_of_row = res
     g_w = jnp.einsum("nd,nkd->nk", g_y, y_pairs)
-    g_rows = (_pair_rows(weights, pair_of_row)[:, None]
-              * _token_rows(g_y, pair_of_row, weights.shape[1]))
+    g_rows = _pair_rows(weights, pair_of_row)[:, None] * _token_rows(
+        g_y, pair_of_row, weights.shape[1]
+    )
     return g_rows, g_w, None, None
 
 
@@ -563,8 +631,23 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 # Expert parallelism
 
 
-def _sharded(x, indices, weights, gate_proj, up_proj, down_proj, *, impl, platform, mesh,
-             axis, ep, split_tokens, token_axes, block_size):
+def _sharded(
+    x,
+    indices,
+    weights,
+    gate_proj,
+    up_proj,
+    down_proj,
+    *,
+    impl,
+    platform,
+    mesh,
+    axis,
+    ep,
+    split_tokens,
+    token_axes,
+    block_size,
+):
     """``_local_ffn`` inside a shard_map that is manual over every mesh axis (a partially manual
     one, with e.g. ``tensor`` left to the compiler, aborts XLA 0.10's SPMD partitioner): rows
     split over ``token_axes`` (and over ``axis`` with ``split_tokens``), experts over ``axis``;

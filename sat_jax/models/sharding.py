@@ -198,8 +198,9 @@ def check_mesh(config: ModelConfig, mesh, *, batch: int | None = None) -> None:
             ("mlp", "moe_intermediate_size", config.moe_intermediate_size),
         ]
         if config.shared_expert_intermediate_size:
-            dims.append(("mlp", "shared_expert_intermediate_size",
-                         config.shared_expert_intermediate_size))
+            dims.append(
+                ("mlp", "shared_expert_intermediate_size", config.shared_expert_intermediate_size)
+            )
     if config.dense_layer_ids:
         dims.append(("mlp", "intermediate_size", config.intermediate_size))
     for logical, field, size in dims:
@@ -234,8 +235,12 @@ def sharding_rules(params, *, mesh) -> Any:
         shape = tuple(leaf.shape)
         logical = logical_axes(path, len(shape))
         for dim, name in zip(shape, logical, strict=True):
-            _check_divides(sizes, _mesh_axes_of(name, sizes),
-                           f"dimension {name!r} of parameter {'.'.join(map(str, path))}", dim)
+            _check_divides(
+                sizes,
+                _mesh_axes_of(name, sizes),
+                f"dimension {name!r} of parameter {'.'.join(map(str, path))}",
+                dim,
+            )
         return spec_for(logical, mesh)
 
     return jax.tree_util.tree_map_with_path(spec, params)
@@ -243,8 +248,7 @@ def sharding_rules(params, *, mesh) -> Any:
 
 def named_shardings(specs, mesh) -> Any:
     """``NamedSharding(mesh, spec)`` for every ``PartitionSpec`` leaf of ``specs``."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def cache_spec(mesh) -> P:

@@ -76,18 +76,26 @@ def positions_from_mask(input_mask: jax.Array) -> jax.Array:
 def _check_shared_prefix(shared_prefix, b: int, t: int) -> tuple[int, int] | None:
     if shared_prefix is None:
         return None
-    ok = (isinstance(shared_prefix, tuple) and len(shared_prefix) == 2
-          and all(isinstance(v, int) and not isinstance(v, bool) for v in shared_prefix))
+    ok = (
+        isinstance(shared_prefix, tuple)
+        and len(shared_prefix) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in shared_prefix)
+    )
     if not ok:
-        raise ValueError(f"shared_prefix must be None or a (group_size, prefix_len) tuple of "
-                         f"Python ints, got {shared_prefix!r}")
+        raise ValueError(
+            f"shared_prefix must be None or a (group_size, prefix_len) tuple of "
+            f"Python ints, got {shared_prefix!r}"
+        )
     g, p = shared_prefix
     if g < 1 or b % g:
-        raise ValueError(f"shared_prefix group_size must be a positive divisor of the batch "
-                         f"(tokens.shape[0] = {b}), got {g}")
+        raise ValueError(
+            f"shared_prefix group_size must be a positive divisor of the batch "
+            f"(tokens.shape[0] = {b}), got {g}"
+        )
     if not 0 <= p <= t:
-        raise ValueError(f"shared_prefix prefix_len must lie in [0, {t}] (tokens.shape[1]), "
-                         f"got {p}")
+        raise ValueError(
+            f"shared_prefix prefix_len must lie in [0, {t}] (tokens.shape[1]), got {p}"
+        )
     return None if g == 1 or p == 0 else (g, p)
 
 
@@ -123,15 +131,17 @@ class Block(nnx.Module):
         if moe:
             self.mlp = MoE(cfg, rngs=rngs)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, std=cfg.init_std, rngs=rngs,
-                           dtype=pdt)
+            self.mlp = MLP(
+                cfg.hidden_size, cfg.intermediate_size, std=cfg.init_std, rngs=rngs, dtype=pdt
+            )
         self.is_moe = moe
 
     def __call__(self, x, rope, kv_mask, cache, cache_index, layer, replay, shared_prefix=None):
         # Named scopes label the profile (op_name metadata); they do not change the program.
         with jax.named_scope("attention"):
-            h, new_cache = self.self_attn(self.input_layernorm(x), rope, kv_mask, cache,
-                                          cache_index, layer, shared_prefix)
+            h, new_cache = self.self_attn(
+                self.input_layernorm(x), rope, kv_mask, cache, cache_index, layer, shared_prefix
+            )
         x = x + h
         with jax.named_scope("moe" if self.is_moe else "mlp"):
             hn = self.post_attention_layernorm(x)
@@ -165,19 +175,21 @@ class Transformer(nnx.Module):
         cfg = config
         self.config = cfg
         self.embed_tokens = nnx.Param(
-            (cfg.init_std * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
-                                              jnp.float32)).astype(cfg.param_dtype)
+            (
+                cfg.init_std
+                * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), jnp.float32)
+            ).astype(cfg.param_dtype)
         )
         n_moe, n_dense = cfg.num_moe_layers, len(cfg.dense_layer_ids)
         self.moe_layers = _block_stack(cfg, moe=True, n=n_moe, rngs=rngs) if n_moe else None
-        self.dense_layers = (
-            _block_stack(cfg, moe=False, n=n_dense, rngs=rngs) if n_dense else None
-        )
+        self.dense_layers = _block_stack(cfg, moe=False, n=n_dense, rngs=rngs) if n_dense else None
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.param_dtype)
         self.lm_head = (
-            None if cfg.tie_embeddings
-            else Dense(cfg.hidden_size, cfg.vocab_size, std=cfg.init_std, rngs=rngs,
-                       dtype=cfg.param_dtype)
+            None
+            if cfg.tie_embeddings
+            else Dense(
+                cfg.hidden_size, cfg.vocab_size, std=cfg.init_std, rngs=rngs, dtype=cfg.param_dtype
+            )
         )
 
     def lm_head_weight(self) -> jax.Array:
@@ -255,10 +267,13 @@ class Transformer(nnx.Module):
             kv_mask = input_mask
         else:
             if not isinstance(cache, LayerCache) or cache.k.ndim != 5:
-                raise ValueError("cache must be the stacked LayerCache of init_cache "
-                                 "([L, B, S, kv_heads, head_dim] arrays)")
-            _checks.check_shape("cache.k", cache.k, (cfg.num_layers, b, None, cfg.num_kv_heads,
-                                                     cfg.head_dim))
+                raise ValueError(
+                    "cache must be the stacked LayerCache of init_cache "
+                    "([L, B, S, kv_heads, head_dim] arrays)"
+                )
+            _checks.check_shape(
+                "cache.k", cache.k, (cfg.num_layers, b, None, cfg.num_kv_heads, cfg.head_dim)
+            )
             _checks.check_shape("cache.v", cache.v, cache.k.shape)
             if kv_mask is None:
                 raise ValueError("kv_mask is required with cache")
@@ -276,13 +291,15 @@ class Transformer(nnx.Module):
             # The shared-prefix layout (``unique_rows``); the load-balancing loss weighs each
             # prefix position by G, as the G rows it stands for.
             tokens, positions, kv_mask, input_mask = (
-                unique_rows(a, shared_prefix) for a in (tokens, positions, kv_mask, input_mask))
+                unique_rows(a, shared_prefix) for a in (tokens, positions, kv_mask, input_mask)
+            )
             g, p = shared_prefix
             prefix_weight = jnp.where(jnp.arange(input_mask.shape[1]) < p, g, 1)
             token_weight = input_mask * prefix_weight[None]
             if routing is not None:  # [L, B, T, k] → [L, B/G, P + G(T − P), k]
-                routing = jnp.moveaxis(unique_rows(jnp.moveaxis(routing, 0, 2), shared_prefix),
-                                       2, 0)
+                routing = jnp.moveaxis(
+                    unique_rows(jnp.moveaxis(routing, 0, 2), shared_prefix), 2, 0
+                )
         # FSDP: gather the table (a parameter-sized all-gather) and look up locally; left to
         # itself GSPMD would instead move token-sized activations and ids to the table's layout.
         table = _sharding.constrain(self.embed_tokens[...], ("vocab", None))
@@ -293,13 +310,22 @@ class Transformer(nnx.Module):
             ids = (cfg.moe_layer_ids if moe else cfg.dense_layer_ids)[start:stop]
             replay = None if (routing is None or not moe) else routing[start:stop]
             x, cache, idx, lbl = self._scan_run(
-                self.moe_layers if moe else self.dense_layers, start, stop, ids, x, rope,
-                kv_mask, cache, cache_index, replay, token_weight, shared_prefix,
+                self.moe_layers if moe else self.dense_layers,
+                start,
+                stop,
+                ids,
+                x,
+                rope,
+                kv_mask,
+                cache,
+                cache_index,
+                replay,
+                token_weight,
+                shared_prefix,
             )
             if moe:
                 if shared_prefix is not None:  # [n, B/G, P + G(T − P), k] → [n, B, T, k]
-                    idx = jnp.moveaxis(expand_rows(jnp.moveaxis(idx, 0, 2), shared_prefix, t),
-                                       2, 0)
+                    idx = jnp.moveaxis(expand_rows(jnp.moveaxis(idx, 0, 2), shared_prefix, t), 2, 0)
                 used.append(idx)
                 lb.append(lbl)
         if shared_prefix is not None:
@@ -325,8 +351,21 @@ class Transformer(nnx.Module):
             hidden=hidden,
         )
 
-    def _scan_run(self, stack, start, stop, ids, x, rope, kv_mask, cache, cache_index,
-                  replay, token_weight, shared_prefix):
+    def _scan_run(
+        self,
+        stack,
+        start,
+        stop,
+        ids,
+        x,
+        rope,
+        kv_mask,
+        cache,
+        cache_index,
+        replay,
+        token_weight,
+        shared_prefix,
+    ):
         """Blocks ``start:stop`` of ``stack`` (global indices ``ids``) as one ``lax.scan``."""
         cfg = self.config
         graphdef, state = nnx.split(stack)
@@ -347,16 +386,18 @@ class Transformer(nnx.Module):
         if cache is None and cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
         layers = jnp.asarray(ids, jnp.int32)
-        (x, cache), (idx, lbl) = jax.lax.scan(body, (x, cache), (state, layers, replay),
-                                              unroll=min(cfg.scan_unroll, stop - start))
+        (x, cache), (idx, lbl) = jax.lax.scan(
+            body, (x, cache), (state, layers, replay), unroll=min(cfg.scan_unroll, stop - start)
+        )
         return x, cache, idx, lbl
 
 
 def abstract_params(config: ModelConfig) -> nnx.State:
     """Parameter shapes and dtypes (``jax.ShapeDtypeStruct`` leaves) of ``Transformer(config)``,
     nothing allocated."""
-    return nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(params=0))),
-                     nnx.Param)
+    return nnx.state(
+        nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(params=0))), nnx.Param
+    )
 
 
 def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh) -> nnx.State:

@@ -59,28 +59,46 @@ class RolloutBatch:
     def from_sample(cls, out, advantages, rewards) -> RolloutBatch:
         """From a ``sat_jax.sampling.SampleOutput`` and the per-sequence scores, as NumPy."""
         sample = {k: np.asarray(getattr(out, k)) for k in cls.fields() if hasattr(out, k)}
-        return cls(**sample, advantages=np.asarray(advantages, np.float32),
-                   rewards=np.asarray(rewards, np.float32))
+        return cls(
+            **sample,
+            advantages=np.asarray(advantages, np.float32),
+            rewards=np.asarray(rewards, np.float32),
+        )
 
     @classmethod
-    def abstract(cls, mesh, *, rows: int, prompt_width: int, response_width: int,
-                 num_moe_layers: int, experts_per_tok: int,
-                 axes: Sequence[str] | None = None) -> RolloutBatch:
+    def abstract(
+        cls,
+        mesh,
+        *,
+        rows: int,
+        prompt_width: int,
+        response_width: int,
+        num_moe_layers: int,
+        experts_per_tok: int,
+        axes: Sequence[str] | None = None,
+    ) -> RolloutBatch:
         """Shapes, dtypes and shardings of a batch on ``mesh`` (``jax.ShapeDtypeStruct`` leaves,
         nothing allocated): what ahead-of-time lowering of the trainer step takes."""
         t, n = prompt_width + response_width, response_width
         i32, f32, b = np.int32, np.float32, np.bool_
         shapes = {
-            "tokens": ((rows, t), i32), "input_mask": ((rows, t), b),
-            "response_mask": ((rows, n), b), "behavior_logp": ((rows, n), f32),
-            "cutoffs": ((rows, n), f32), "versions": ((rows, n), i32),
+            "tokens": ((rows, t), i32),
+            "input_mask": ((rows, t), b),
+            "response_mask": ((rows, n), b),
+            "behavior_logp": ((rows, n), f32),
+            "cutoffs": ((rows, n), f32),
+            "versions": ((rows, n), i32),
             "routing": ((num_moe_layers, rows, t - 1, experts_per_tok), i32),
-            "advantages": ((rows,), f32), "rewards": ((rows,), f32),
+            "advantages": ((rows,), f32),
+            "rewards": ((rows,), f32),
         }
         specs = cls.specs(batch_axes(mesh) if axes is None else axes)
-        return cls(**{f: jax.ShapeDtypeStruct(shape, dt,
-                                              sharding=NamedSharding(mesh, getattr(specs, f)))
-                      for f, (shape, dt) in shapes.items()})
+        return cls(
+            **{
+                f: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, getattr(specs, f)))
+                for f, (shape, dt) in shapes.items()
+            }
+        )
 
     @classmethod
     def batch_axis(cls, field: str) -> int:
@@ -102,6 +120,7 @@ class RolloutBatch:
 
     def select(self, rows: slice) -> RolloutBatch:
         """The sequences ``rows`` of every field (along each field's batch axis)."""
+
         def take(f):
             value = getattr(self, f)
             index = (slice(None),) * self.batch_axis(f) + (rows,)
@@ -126,8 +145,9 @@ class RolloutBatch:
     def minibatches(self, num: int) -> Iterator[RolloutBatch]:
         """``num`` equal, contiguous minibatches (whole groups when ``num`` divides the prompts)."""
         if num < 1 or self.size % num:
-            raise ValueError(f"a batch of {self.size} sequences does not split into {num} "
-                             "equal minibatches")
+            raise ValueError(
+                f"a batch of {self.size} sequences does not split into {num} equal minibatches"
+            )
         if num == 1:
             yield self
             return

@@ -36,16 +36,22 @@ def build_sources(config):
         task = make_task(d.task, num_digits=d.num_digits, eval_size=d.eval_size, seed=0)
         return TaskSource(task, "train"), TaskSource(task, "eval"), task
     if d.source == "jsonl":
+
         def jsonl(path):
-            return JsonlSource(os.path.expanduser(path), prompt_field=d.prompt_field,
-                               answer_field=d.answer_field)
+            return JsonlSource(
+                os.path.expanduser(path), prompt_field=d.prompt_field, answer_field=d.answer_field
+            )
 
         src = jsonl(d.path)
         return src, jsonl(d.eval_path) if d.eval_path else src, None
-    kwargs = dict(data_dir=d.tfds_data_dir or None, prompt_field=d.prompt_field,
-                  answer_field=d.answer_field)
-    return (TfdsSource(d.tfds_name, split=d.split, **kwargs),
-            TfdsSource(d.tfds_name, split=d.eval_split, **kwargs), None)
+    kwargs = dict(
+        data_dir=d.tfds_data_dir or None, prompt_field=d.prompt_field, answer_field=d.answer_field
+    )
+    return (
+        TfdsSource(d.tfds_name, split=d.split, **kwargs),
+        TfdsSource(d.tfds_name, split=d.eval_split, **kwargs),
+        None,
+    )
 
 
 @dataclasses.dataclass
@@ -80,27 +86,38 @@ def build(config, log=lambda msg: None) -> Components:
     if config.mesh.rollout_device >= 0:
         rollout_device = jax.local_devices()[config.mesh.rollout_device]
         devices = [d for d in devices if d != rollout_device]
-    mesh = parallel.make_mesh(config.mesh.data, devices, fsdp=config.mesh.fsdp,
-                              expert=config.mesh.expert, tensor=config.mesh.tensor)
+    mesh = parallel.make_mesh(
+        config.mesh.data,
+        devices,
+        fsdp=config.mesh.fsdp,
+        expert=config.mesh.expert,
+        tensor=config.mesh.tensor,
+    )
     train_src, eval_src, task = build_sources(config)
     model_fields = config.model.to_dict()
     hf_path = os.path.expanduser(model_fields.pop("hf_path"))
     if config.data.tokenizer == "char":
         tokenizer = CharTokenizer()
     else:
-        tokenizer = HFTokenizer(os.path.expanduser(config.data.tokenizer),
-                                eos_token=config.data.eos_token or None)
+        tokenizer = HFTokenizer(
+            os.path.expanduser(config.data.tokenizer), eos_token=config.data.eos_token or None
+        )
     if hf_path:
         model_cfg, graphdef, params = load_hf(
-            hf_path, router_aux_loss_coef=model_fields["router_aux_loss_coef"],
+            hf_path,
+            router_aux_loss_coef=model_fields["router_aux_loss_coef"],
             dtype=jnp.dtype(model_fields["dtype"]),
-            param_dtype=jnp.dtype(model_fields["param_dtype"]), mesh=mesh,
-            remat=model_fields["remat"], moe_impl=model_fields["moe_impl"],
+            param_dtype=jnp.dtype(model_fields["param_dtype"]),
+            mesh=mesh,
+            remat=model_fields["remat"],
+            moe_impl=model_fields["moe_impl"],
             attention_chunk=model_fields["attention_chunk"],
         )
         if tokenizer.vocab_size > model_cfg.vocab_size:
-            raise ValueError(f"the tokenizer's {tokenizer.vocab_size} ids exceed the model's "
-                             f"vocab_size {model_cfg.vocab_size}")
+            raise ValueError(
+                f"the tokenizer's {tokenizer.vocab_size} ids exceed the model's "
+                f"vocab_size {model_cfg.vocab_size}"
+            )
         log(f"loaded {hf_path}")
     else:
         model_cfg = ModelConfig(vocab_size=tokenizer.vocab_size, **model_fields)
@@ -111,44 +128,75 @@ def build(config, log=lambda msg: None) -> Components:
     if task is not None and config.sft.steps > 0 and not hf_path:
         t0 = time.perf_counter()
         params, sft_info = sft.warmup(
-            graphdef, params, tokenizer, task,
-            steps=config.sft.steps, batch_size=config.sft.batch_size,
-            learning_rate=config.sft.learning_rate, seed=config.seed,
-            prompt_width=prompt_width, response_width=response_width,
+            graphdef,
+            params,
+            tokenizer,
+            task,
+            steps=config.sft.steps,
+            batch_size=config.sft.batch_size,
+            learning_rate=config.sft.learning_rate,
+            seed=config.seed,
+            prompt_width=prompt_width,
+            response_width=response_width,
             cache_dir=config.sft.cache_dir,
-            cache_spec={"model": config.model.to_dict(), "data": config.data.to_dict(),
-                        "vocab": tokenizer.vocab_size},
+            cache_spec={
+                "model": config.model.to_dict(),
+                "data": config.data.to_dict(),
+                "vocab": tokenizer.vocab_size,
+            },
             log=log,
         )
         sft_info["sft/seconds"] = time.perf_counter() - t0
-        log(f"warm-up: {'cached' if sft_info.get('sft/cached') else 'trained'} "
-            f"({sft_info['sft/seconds']:.1f}s)")
-    sampler = Sampler(model_cfg, max_prompt_len=prompt_width, max_new_tokens=response_width,
-                      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                      dtype=jnp.dtype(config.rollout.dtype))
+        log(
+            f"warm-up: {'cached' if sft_info.get('sft/cached') else 'trained'} "
+            f"({sft_info['sft/seconds']:.1f}s)"
+        )
+    sampler = Sampler(
+        model_cfg,
+        max_prompt_len=prompt_width,
+        max_new_tokens=response_width,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        dtype=jnp.dtype(config.rollout.dtype),
+    )
     engine = RolloutEngine(
-        sampler=sampler, tokenizer=tokenizer, reward_fn=train_src.reward,
+        sampler=sampler,
+        tokenizer=tokenizer,
+        reward_fn=train_src.reward,
         group_size=config.rollout.group_size,
-        sampling=SamplingParams(config.rollout.temperature, config.rollout.top_p,
-                                config.rollout.top_k),
+        sampling=SamplingParams(
+            config.rollout.temperature, config.rollout.top_p, config.rollout.top_k
+        ),
         advantage=config.loss.advantage,
         prompt_format=(lambda text: qwen_chat_prompt([{"role": "user", "content": text}]))
-        if config.data.chat_template else None,
+        if config.data.chat_template
+        else None,
     )
     total = config.num_steps * config.optim.updates_per_batch * config.optim.num_minibatches
     optimizer = trainer.make_optimizer(
-        config.optim.learning_rate, b1=config.optim.b1, b2=config.optim.b2,
-        grad_clip=config.optim.grad_clip, weight_decay=config.optim.weight_decay,
-        warmup_steps=config.optim.warmup_steps, schedule=config.optim.schedule,
+        config.optim.learning_rate,
+        b1=config.optim.b1,
+        b2=config.optim.b2,
+        grad_clip=config.optim.grad_clip,
+        weight_decay=config.optim.weight_decay,
+        warmup_steps=config.optim.warmup_steps,
+        schedule=config.optim.schedule,
         total_steps=total,
     )
     eval_examples = [eval_src[i] for i in range(min(config.eval.num_prompts, len(eval_src)))]
     return Components(
-        mesh=mesh, tokenizer=tokenizer, model_cfg=model_cfg, graphdef=graphdef,
-        params=jax.device_put(params, param_shardings(model_cfg, mesh)), engine=engine,
+        mesh=mesh,
+        tokenizer=tokenizer,
+        model_cfg=model_cfg,
+        graphdef=graphdef,
+        params=jax.device_put(params, param_shardings(model_cfg, mesh)),
+        engine=engine,
         train_src=train_src,
-        eval_examples=eval_examples, spec=loss_spec(config), optimizer=optimizer,
-        sft_info=sft_info, rollout_device=rollout_device,
+        eval_examples=eval_examples,
+        spec=loss_spec(config),
+        optimizer=optimizer,
+        sft_info=sft_info,
+        rollout_device=rollout_device,
     )
 
 
@@ -170,10 +218,18 @@ def train_step_key(config, parts: Components, *, donate: bool = True) -> tuple:
     # add it here), and the update count where the schedule reads it (constant ones do not).
     o = config.optim
     total = config.num_steps * o.updates_per_batch * o.num_minibatches
-    optim = (tuple(sorted((k, repr(v)) for k, v in o.to_dict().items())),
-             None if o.schedule == "constant" else total)
-    return (parts.model_cfg, optim, parts.spec, int(config.data.max_prompt_len), parts.mesh,
-            bool(donate))
+    optim = (
+        tuple(sorted((k, repr(v)) for k, v in o.to_dict().items())),
+        None if o.schedule == "constant" else total,
+    )
+    return (
+        parts.model_cfg,
+        optim,
+        parts.spec,
+        int(config.data.max_prompt_len),
+        parts.mesh,
+        bool(donate),
+    )
 
 
 def shared_train_step(config, parts: Components, *, donate: bool = True):
@@ -182,10 +238,16 @@ def shared_train_step(config, parts: Components, *, donate: bool = True):
     a new step otherwise, or always when :data:`SHARE_TRAIN_STEPS` is False. The step is a pure
     function of its inputs, so a run stepping another run's jitted step computes the same
     updates (the optimizer it closes over was built from equal settings)."""
+
     def build_step():
-        return trainer.make_train_step(parts.graphdef, parts.optimizer, parts.spec,
-                                       prompt_width=config.data.max_prompt_len,
-                                       mesh=parts.mesh, donate=donate)
+        return trainer.make_train_step(
+            parts.graphdef,
+            parts.optimizer,
+            parts.spec,
+            prompt_width=config.data.max_prompt_len,
+            mesh=parts.mesh,
+            donate=donate,
+        )
 
     if not SHARE_TRAIN_STEPS:
         return build_step()

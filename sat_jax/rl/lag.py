@@ -89,8 +89,13 @@ def lag_stats(versions: np.ndarray, response_mask: np.ndarray, step: int) -> dic
     versions = np.asarray(versions)
     mask = np.asarray(response_mask, bool)
     if not mask.any():
-        return {"lag/mean": 0.0, "lag/max": 0.0, "lag/min": 0.0, "lag/pqs_mean": 0.0,
-                "lag/iqs_mean": 0.0}
+        return {
+            "lag/mean": 0.0,
+            "lag/max": 0.0,
+            "lag/min": 0.0,
+            "lag/pqs_mean": 0.0,
+            "lag/iqs_mean": 0.0,
+        }
     v_last = np.where(mask, versions, -1).max(axis=1, keepdims=True)
     lag = (step - versions)[mask]
     pqs = np.broadcast_to(v_last - versions, mask.shape)[mask]

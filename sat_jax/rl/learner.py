@@ -44,8 +44,16 @@ from sat_jax.run.metrics import METRICS_FILE, RunLogger
 from sat_jax.run.plots import plot_run
 from sat_jax.run.progress import Progress
 
-__all__ = ["Components", "ResumeError", "build", "build_sources", "evaluate_run", "loss_spec",
-           "make_source", "train"]
+__all__ = [
+    "Components",
+    "ResumeError",
+    "build",
+    "build_sources",
+    "evaluate_run",
+    "loss_spec",
+    "make_source",
+    "train",
+]
 
 # Run outputs moved aside when a run starts over in the same workdir.
 _OUTPUTS = (METRICS_FILE, "config.json", "config.yaml", "tensorboard", "plots")
@@ -57,20 +65,34 @@ class ResumeError(ValueError):
 
 def make_source(config, parts: Components, prompts, *, first_step: int) -> RolloutSource:
     """The rollout source of ``config.lag_mode``."""
-    common = dict(needs_old=parts.spec.needs_old, placement=config.snapshot_placement,
-                  view=parts.rollout_view)
+    common = dict(
+        needs_old=parts.spec.needs_old, placement=config.snapshot_placement, view=parts.rollout_view
+    )
     if config.lag_mode == "stream":
-        return StreamRollouts(parts.engine, prompts, config.seed, queue_size=max(1, config.lag),
-                              chunk=config.rollout.stream_chunk, first_index=first_step, **common)
-    return ScheduledRollouts(parts.engine, LagSchedule(config.lag_mode, config.lag), prompts,
-                             config.seed, **common)
+        return StreamRollouts(
+            parts.engine,
+            prompts,
+            config.seed,
+            queue_size=max(1, config.lag),
+            chunk=config.rollout.stream_chunk,
+            first_index=first_step,
+            **common,
+        )
+    return ScheduledRollouts(
+        parts.engine, LagSchedule(config.lag_mode, config.lag), prompts, config.seed, **common
+    )
 
 
 def _eval(config, parts: Components, params, step: int) -> dict[str, float]:
     """Held-out evaluation of ``params`` at ``step``: the same keys in training and ``eval``."""
-    return evaluate(parts.engine, parts.rollout_view(params), parts.eval_examples,
-                    config.rollout.prompts_per_step // jax.process_count(),
-                    rng.key(config.seed, "eval", step), version=step)
+    return evaluate(
+        parts.engine,
+        parts.rollout_view(params),
+        parts.eval_examples,
+        config.rollout.prompts_per_step // jax.process_count(),
+        rng.key(config.seed, "eval", step),
+        version=step,
+    )
 
 
 def _restore_target(state, params, ref_params):
@@ -89,14 +111,18 @@ def evaluate_run(config) -> dict[str, Any]:
     the in-training evaluation at that step."""
     workdir, ckpt_dir = workdir_lib.run_paths(config)
     parts = build(config)
-    state = trainer.init_train_state(parts.params, parts.optimizer, parts.mesh,
-                                     config=parts.model_cfg)
+    state = trainer.init_train_state(
+        parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
+    )
     with Checkpointer(ckpt_dir) as ckpt:
         if ckpt.latest_step() is None:
             raise FileNotFoundError(f"no checkpoint in {workdir}")
         restored, _, step = ckpt.restore(_restore_target(state, parts.params, parts.params))
-    return {"workdir": workdir, "step": step,
-            **_eval(config, parts, restored["state"]["params"], step)}
+    return {
+        "workdir": workdir,
+        "step": step,
+        **_eval(config, parts, restored["state"]["params"], step),
+    }
 
 
 def _start_over(workdir: str, ckpt_dir: str, log) -> None:
@@ -106,8 +132,11 @@ def _start_over(workdir: str, ckpt_dir: str, log) -> None:
         ckpt = epath.Path(ckpt_dir)
         moved = []
         if ckpt.exists() and any(ckpt.iterdir()):
-            dest = epath.Path(f"{ckpt_dir.rstrip('/')}-replaced-{stamp}") if "://" in ckpt_dir \
+            dest = (
+                epath.Path(f"{ckpt_dir.rstrip('/')}-replaced-{stamp}")
+                if "://" in ckpt_dir
                 else epath.Path(workdir) / f"replaced-{stamp}" / "checkpoints"
+            )
             dest.parent.mkdir(parents=True, exist_ok=True)
             ckpt.rename(dest)
             moved.append(str(dest))
@@ -119,8 +148,10 @@ def _start_over(workdir: str, ckpt_dir: str, log) -> None:
                 shutil.move(path, dest)
                 moved.append(dest)
         if moved:
-            log(f"resume=False: moved the earlier run in {workdir} aside ({len(moved)} items "
-                f"under replaced-{stamp})")
+            log(
+                f"resume=False: moved the earlier run in {workdir} aside ({len(moved)} items "
+                f"under replaced-{stamp})"
+            )
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -137,7 +168,8 @@ def _check_resumable(config, ckpt: Checkpointer, workdir: str) -> int | None:
         raise ResumeError(
             f"{workdir} holds a run with a different config ({'; '.join(changed)}). Resume it "
             "with its own config, use another --workdir, or start over with "
-            "--config.resume=False (moves the earlier run aside)")
+            "--config.resume=False (moves the earlier run aside)"
+        )
     return int(meta.get("step", ckpt.latest_step()))
 
 
@@ -153,17 +185,23 @@ class _Session:
         self.ref_params = parts.params
         # Every leaf on the mesh in the layout the step returns (optimizer state created sharded,
         # step counter replicated): an uncommitted input at step 1 would make step 2 a cache miss.
-        self.state = trainer.init_train_state(parts.params, parts.optimizer, parts.mesh,
-                                              config=parts.model_cfg)
+        self.state = trainer.init_train_state(
+            parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
+        )
         # prompts_per_step is global; each process rolls out its own contiguous share of it.
-        self.iterator = PromptIterator(parts.train_src, config.rollout.prompts_per_step,
-                                       seed=config.seed, process_index=jax.process_index(),
-                                       process_count=jax.process_count())
+        self.iterator = PromptIterator(
+            parts.train_src,
+            config.rollout.prompts_per_step,
+            seed=config.seed,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
         self.start = 0
         restored = None
         if config.resume and ckpt.latest_step() is not None:
             restored, meta, self.start = ckpt.restore(
-                _restore_target(self.state, parts.params, self.ref_params))
+                _restore_target(self.state, parts.params, self.ref_params)
+            )
             self.iterator.restore(meta["iterator"])
         self.source = make_source(config, parts, self.iterator, first_step=self.start)
         if restored is not None:
@@ -174,16 +212,21 @@ class _Session:
         else:
             self.source.publish(0, parts.params)
         # Rows after the restored step are logged again; a fresh start drops every old row.
-        self.logger = RunLogger(workdir, config=plain(config),
-                                enable_tensorboard=config.log.tensorboard,
-                                is_primary=self.primary,
-                                resume_step=self.start if self.start else -1)
+        self.logger = RunLogger(
+            workdir,
+            config=plain(config),
+            enable_tensorboard=config.log.tensorboard,
+            is_primary=self.primary,
+            resume_step=self.start if self.start else -1,
+        )
         if parts.sft_info and self.start == 0:
             self.logger.log(0, parts.sft_info)
-        self.end = config.num_steps if max_steps is None else min(config.num_steps,
-                                                                  self.start + max_steps)
-        self.progress = Progress(self.end, is_primary=self.primary and config.log.progress
-                                 and not quiet)
+        self.end = (
+            config.num_steps if max_steps is None else min(config.num_steps, self.start + max_steps)
+        )
+        self.progress = Progress(
+            self.end, is_primary=self.primary and config.log.progress and not quiet
+        )
         self.timer = Timer()
         self.history: list[dict[str, float]] = []
         self.eval_result = None
@@ -197,32 +240,39 @@ class _Session:
         for _ in range(o.updates_per_batch):
             for mb in rollout.batch.minibatches(o.num_minibatches):
                 share = trainer.shares_prompt(mb, self.parts.spec, self.config.data.max_prompt_len)
-                self.state, metrics = self.train_step(self.state, mb.shard(self.parts.mesh),
-                                                      extra, share=share)
+                self.state, metrics = self.train_step(
+                    self.state, mb.shard(self.parts.mesh), extra, share=share
+                )
         return {k: float(v) for k, v in parallel.to_host(metrics).items()}
 
-    def record(self, step: int, rollout: Rollout, train: dict[str, float], train_s: float,
-               step_s: float) -> None:
+    def record(
+        self, step: int, rollout: Rollout, train: dict[str, float], train_s: float, step_s: float
+    ) -> None:
         batch = rollout.batch
         metrics = batch_stats(batch, self.config.rollout.group_size)
         metrics.update(lag_stats(batch.versions, batch.response_mask, step))
         metrics.update(train)
         compiled = rollout.compiled_seconds
-        metrics.update({
-            "time/step_s": step_s,
-            # Wall time not spent waiting on compiled computations (host-side Python:
-            # tokenising, scoring, batching, logging) as a share of the step.
-            "time/outside_compiled_share": float("nan") if compiled is None
-            else 1.0 - (compiled + train_s) / step_s,
-            "time/train_s": train_s,
-            **rollout.metrics,
-        })
-        metrics["throughput/rollout_tokens_per_s"] = (metrics["train/tokens"]
-                                                      / max(metrics["time/rollout_s"], 1e-9))
+        metrics.update(
+            {
+                "time/step_s": step_s,
+                # Wall time not spent waiting on compiled computations (host-side Python:
+                # tokenising, scoring, batching, logging) as a share of the step.
+                "time/outside_compiled_share": float("nan")
+                if compiled is None
+                else 1.0 - (compiled + train_s) / step_s,
+                "time/train_s": train_s,
+                **rollout.metrics,
+            }
+        )
+        metrics["throughput/rollout_tokens_per_s"] = metrics["train/tokens"] / max(
+            metrics["time/rollout_s"], 1e-9
+        )
         self.logger.log(step + 1, metrics)
         self.history.append(metrics)
-        self.progress.update(step + 1, {k: metrics[k] for k in
-                                        ("train/reward_mean", "loss/mismatch", "lag/mean")})
+        self.progress.update(
+            step + 1, {k: metrics[k] for k in ("train/reward_mean", "loss/mismatch", "lag/mean")}
+        )
 
     def evaluate(self, step: int) -> None:
         with self.timer.compiled_section():
@@ -247,11 +297,17 @@ class _Session:
         if step in self.ckpt.all_steps():
             return
         store = self.source.store
-        self.ckpt.save(step, {"state": self.state._asdict(), "store": store.state(),
-                              "ref": self.ref_params},
-                       {"step": step, "iterator": self.iterator.state(),
-                        "store_versions": store.versions(), "config": plain(self.config)},
-                       force=True)
+        self.ckpt.save(
+            step,
+            {"state": self.state._asdict(), "store": store.state(), "ref": self.ref_params},
+            {
+                "step": step,
+                "iterator": self.iterator.state(),
+                "store_versions": store.versions(),
+                "config": plain(self.config),
+            },
+            force=True,
+        )
 
     def close(self) -> None:
         self.source.close()
@@ -269,22 +325,35 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
     """
     validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
     workdir, ckpt_dir = workdir_lib.run_paths(config)
-    log = (lambda msg: None) if (quiet or not parallel.is_primary()) else (
-        lambda msg: print(msg, flush=True))
+    log = (
+        (lambda msg: None)
+        if (quiet or not parallel.is_primary())
+        else (lambda msg: print(msg, flush=True))
+    )
     if not config.resume:
         _start_over(workdir, ckpt_dir, log)
     with Checkpointer(ckpt_dir, max_to_keep=config.checkpoint.max_to_keep) as ckpt:
         resumed = _check_resumable(config, ckpt, workdir)
         if resumed is not None and resumed >= config.num_steps:
-            log(f"the run in {workdir} is finished (step {resumed} of num_steps="
+            log(
+                f"the run in {workdir} is finished (step {resumed} of num_steps="
                 f"{config.num_steps}); raise --config.num_steps to continue it, or start over "
-                "with --config.resume=False")
-            return {"workdir": workdir, "start_step": resumed, "end_step": resumed,
-                    "finished": True, "interrupted": False, "wall_seconds": 0.0,
-                    "compiled_seconds": 0.0, "outside_compiled_share": 0.0, "history": [],
-                    "final_eval": None, "state": None}
-        s = _Session(config, max_steps=max_steps, quiet=quiet, ckpt=ckpt, workdir=workdir,
-                     log=log)
+                "with --config.resume=False"
+            )
+            return {
+                "workdir": workdir,
+                "start_step": resumed,
+                "end_step": resumed,
+                "finished": True,
+                "interrupted": False,
+                "wall_seconds": 0.0,
+                "compiled_seconds": 0.0,
+                "outside_compiled_share": 0.0,
+                "history": [],
+                "final_eval": None,
+                "state": None,
+            }
+        s = _Session(config, max_steps=max_steps, quiet=quiet, ckpt=ckpt, workdir=workdir, log=log)
         interrupted = False
         try:
             if s.start == 0 and config.eval.every:

@@ -54,15 +54,16 @@ class RolloutEngine:
     def start(self, params, examples: Sequence[Example], key: jax.Array) -> DecodeState:
         ids, lengths = self.encode(examples)
         # The G copies of each prompt are prefilled once (Sampler.init(group_size=)).
-        return self.sampler.init(params, ids, lengths, key, self.sampling,
-                                 group_size=self.group_size)
+        return self.sampler.init(
+            params, ids, lengths, key, self.sampling, group_size=self.group_size
+        )
 
     def generate(self, params, examples, key, version: int) -> SampleOutput:
         state = self.start(params, examples, key)
         return self.sampler.finalize(self.sampler.decode(params, state, version=version))
 
     def completions(self, out: SampleOutput) -> list[str]:
-        response = np.asarray(out.tokens)[:, self.sampler.max_prompt_len:]
+        response = np.asarray(out.tokens)[:, self.sampler.max_prompt_len :]
         # Checkpoints pad the embedding past the tokenizer (Qwen3: 151,936 rows, ~151,669 tokens);
         # a sampled padding id has no text, so it is dropped from the completion.
         vocab = self.tokenizer.vocab_size
@@ -95,7 +96,11 @@ def batch_stats(batch: RolloutBatch, group_size: int) -> dict[str, float]:
 
 
 def evaluate(
-    engine: RolloutEngine, params, examples: Sequence[Example], prompts_per_batch: int, key,
+    engine: RolloutEngine,
+    params,
+    examples: Sequence[Example],
+    prompts_per_batch: int,
+    key,
     version: int = 0,
 ) -> dict[str, float]:
     """pass@1, avg@G and unbiased pass@G on held-out prompts (G = the engine's group size).
@@ -114,8 +119,9 @@ def evaluate(
         batch += [batch[-1]] * (prompts_per_batch - real)
         out = engine.generate(params, batch, jax.random.fold_in(key, next(calls)), version)
         texts = engine.completions(out)
-        return [texts[i * g:(i + 1) * g] for i in range(real)]
+        return [texts[i * g : (i + 1) * g] for i in range(real)]
 
-    res = evaluate_generations(generate, examples, g, batch_size=prompts_per_batch,
-                               reward_fn=engine.reward_fn)
+    res = evaluate_generations(
+        generate, examples, g, batch_size=prompts_per_batch, reward_fn=engine.reward_fn
+    )
     return {name: float(res[name]) for name in ("pass@1", f"avg@{g}", f"pass@{g}")}

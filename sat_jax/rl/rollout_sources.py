@@ -82,12 +82,22 @@ class ScheduledRollouts:
       view: maps stored parameters to the copy the engine samples from.
     """
 
-    def __init__(self, engine: RolloutEngine, schedule: LagSchedule, prompts: Iterator, seed: int,
-                 *, needs_old: bool, placement: str = "device",
-                 view: Callable[[Any], Any] = lambda params: params):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        schedule: LagSchedule,
+        prompts: Iterator,
+        seed: int,
+        *,
+        needs_old: bool,
+        placement: str = "device",
+        view: Callable[[Any], Any] = lambda params: params,
+    ):
         if schedule.mode == "stream":
-            raise ValueError("ScheduledRollouts needs a fixed or broadcast schedule; stream mode "
-                             "is sat_jax.rl.stream.StreamRollouts")
+            raise ValueError(
+                "ScheduledRollouts needs a fixed or broadcast schedule; stream mode "
+                "is sat_jax.rl.stream.StreamRollouts"
+            )
         self.engine, self.schedule, self.prompts, self.seed = engine, schedule, prompts, seed
         self.needs_old, self.view = needs_old, view
         self.store = SnapshotStore(schedule.capacity, placement)
@@ -100,14 +110,20 @@ class ScheduledRollouts:
         examples = next(self.prompts)
         t0 = time.perf_counter()
         params = self.store.get(version)
-        out = self.engine.generate(self.view(params), examples,
-                                   rng.key(self.seed, "rollout", step, jax.process_index()),
-                                   version)
+        out = self.engine.generate(
+            self.view(params),
+            examples,
+            rng.key(self.seed, "rollout", step, jax.process_index()),
+            version,
+        )
         jax.block_until_ready(out.tokens)
         generate_s = time.perf_counter() - t0
         batch = self.engine.score(examples, out)
-        metrics = {"time/rollout_s": time.perf_counter() - t0, "time/queue_wait_s": 0.0,
-                   **self.store.memory()}
+        metrics = {
+            "time/rollout_s": time.perf_counter() - t0,
+            "time/queue_wait_s": 0.0,
+            **self.store.memory(),
+        }
         # Every token of batch j comes from version_for(j): that is the behaviour version.
         behaviour = {"old": params} if self.needs_old else {}
         return Rollout(batch, behaviour, metrics, generate_s)

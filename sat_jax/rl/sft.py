@@ -43,9 +43,9 @@ def layout_pairs(tokenizer, pairs, prompt_width: int, response_width: int):
                 f"pair {prompt!r} -> {answer!r} needs {len(p)} prompt / {len(a)} response slots, "
                 f"more than {prompt_width} / {response_width}"
             )
-        tokens[i, prompt_width - len(p):prompt_width] = p
-        tokens[i, prompt_width:prompt_width + len(a)] = a
-        mask[i, prompt_width - len(p):prompt_width + len(a)] = True
+        tokens[i, prompt_width - len(p) : prompt_width] = p
+        tokens[i, prompt_width : prompt_width + len(a)] = a
+        mask[i, prompt_width - len(p) : prompt_width + len(a)] = True
     return tokens, mask, mask[:, prompt_width:]
 
 
@@ -105,8 +105,15 @@ def warmup(
     ``cache_spec`` must describe everything that determines the result (model config, task,
     these settings); the cache file is keyed by its hash. A corrupt cache entry is rebuilt.
     """
-    spec = dict(cache_spec, steps=steps, batch_size=batch_size, lr=learning_rate, seed=seed,
-                widths=(prompt_width, response_width), code=code_digest())
+    spec = dict(
+        cache_spec,
+        steps=steps,
+        batch_size=batch_size,
+        lr=learning_rate,
+        seed=seed,
+        widths=(prompt_width, response_width),
+        code=code_digest(),
+    )
     path = None
     if cache_dir:
         cache_dir = os.path.expanduser(cache_dir)
@@ -138,7 +145,7 @@ def warmup(
     pairs = task.supervised_pairs(steps * batch_size, seed)
     loss = float("nan")
     for i in range(steps):
-        chunk = pairs[(i * batch_size) % len(pairs):][:batch_size]
+        chunk = pairs[(i * batch_size) % len(pairs) :][:batch_size]
         if len(chunk) < batch_size:
             chunk = chunk + pairs[: batch_size - len(chunk)]
         tokens, input_mask, response_mask = layout_pairs(

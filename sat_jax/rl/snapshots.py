@@ -38,8 +38,12 @@ _warned = False
 def _warn_numpy_fallback(error) -> None:
     global _warned
     if not _warned:
-        _log.warning("this backend has no %r memory: host snapshots fall back to NumPy copies "
-                     "(resharded on every get) (%s)", _HOST_KIND, error)
+        _log.warning(
+            "this backend has no %r memory: host snapshots fall back to NumPy copies "
+            "(resharded on every get) (%s)",
+            _HOST_KIND,
+            error,
+        )
         _warned = True
 
 

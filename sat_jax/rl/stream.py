@@ -43,10 +43,19 @@ class StreamRollouts:
       view: maps stored parameters to the copy the engine samples from.
     """
 
-    def __init__(self, engine: RolloutEngine, prompts: Iterator, seed: int, *,
-                 queue_size: int = 2, chunk: int = 2, first_index: int = 0,
-                 needs_old: bool = False, placement: str = "device",
-                 view: Callable[[Any], Any] = lambda params: params):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        prompts: Iterator,
+        seed: int,
+        *,
+        queue_size: int = 2,
+        chunk: int = 2,
+        first_index: int = 0,
+        needs_old: bool = False,
+        placement: str = "device",
+        view: Callable[[Any], Any] = lambda params: params,
+    ):
         if queue_size < 1 or chunk < 1:
             raise ValueError(f"queue_size and chunk must be >= 1, got {queue_size}, {chunk}")
         self.engine, self.prompts, self.seed = engine, prompts, seed
@@ -114,8 +123,12 @@ class StreamRollouts:
         with self._lock:
             started = self._pinned.pop(index)
             behaviour = {"old": self.store.get(started)} if self.needs_old else {}
-        metrics = {"time/rollout_s": wait, "time/queue_wait_s": wait,
-                   "stream/swaps": float(self.swaps), **self.store.memory()}
+        metrics = {
+            "time/rollout_s": wait,
+            "time/queue_wait_s": wait,
+            "stream/swaps": float(self.swaps),
+            **self.store.memory(),
+        }
         return Rollout(batch, behaviour, metrics, None)
 
     def publish(self, version: int, params: Any) -> None:

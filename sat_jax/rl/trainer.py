@@ -65,8 +65,11 @@ class LossSpec:
     @property
     def needs_old(self) -> bool:
         """Whether the trainer must recompute log μ̃ under the behaviour version's parameters."""
-        return (self.ratio_denominator == "recompute" or self.correction != "none"
-                and losses.registry.correction_reference(self.correction) == "old")
+        return (
+            self.ratio_denominator == "recompute"
+            or self.correction != "none"
+            and losses.registry.correction_reference(self.correction) == "old"
+        )
 
     @property
     def needs_ref(self) -> bool:
@@ -120,8 +123,17 @@ def _logprobs(graphdef, params, batch, spec: LossSpec, prompt_width: int, share:
     )
 
 
-def policy_loss(params, batch: RolloutBatch, extra, *, graphdef, spec: LossSpec, prompt_width: int,
-                axis_name, share: bool = False):
+def policy_loss(
+    params,
+    batch: RolloutBatch,
+    extra,
+    *,
+    graphdef,
+    spec: LossSpec,
+    prompt_width: int,
+    axis_name,
+    share: bool = False,
+):
     """Loss and metrics on one (local) shard of a batch; global over ``axis_name``. ``share``:
     the batch's groups share their prompts (``make_train_step``)."""
     old_logp = ref_logp = None
@@ -134,11 +146,13 @@ def policy_loss(params, batch: RolloutBatch, extra, *, graphdef, spec: LossSpec,
             _logprobs(graphdef, extra["ref"], batch, spec, prompt_width, share)[0]
         )
     logp, entropy, aux = _logprobs(graphdef, params, batch, spec, prompt_width, share)
-    loss, metrics = _objective(logp, entropy, old_logp, ref_logp, _loss_fields(batch), spec,
-                               axis_name)
+    loss, metrics = _objective(
+        logp, entropy, old_logp, ref_logp, _loss_fields(batch), spec, axis_name
+    )
     if spec.router_aux:
-        aux_loss = aux["aux_loss"] if axis_name is None else jax.lax.pmean(aux["aux_loss"],
-                                                                             axis_name)
+        aux_loss = (
+            aux["aux_loss"] if axis_name is None else jax.lax.pmean(aux["aux_loss"], axis_name)
+        )
         loss = loss + aux_loss
         metrics["loss/router_aux"] = aux_loss
     metrics["loss/total"] = loss
@@ -147,8 +161,11 @@ def policy_loss(params, batch: RolloutBatch, extra, *, graphdef, spec: LossSpec,
 
 def _loss_fields(batch: RolloutBatch) -> dict[str, jax.Array]:
     """The per-sequence / per-token fields the objective reads (all with the batch on axis 0)."""
-    return {"response_mask": batch.response_mask, "behavior_logp": batch.behavior_logp,
-            "advantages": batch.advantages}
+    return {
+        "response_mask": batch.response_mask,
+        "behavior_logp": batch.behavior_logp,
+        "advantages": batch.advantages,
+    }
 
 
 def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_name):
@@ -160,7 +177,11 @@ def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_na
     weights = None
     if spec.correction != "none":
         weights = losses.registry.correction_weights(
-            spec.correction, logp=logp, old_logp=old_logp, behavior_logp=behavior, mask=mask,
+            spec.correction,
+            logp=logp,
+            old_logp=old_logp,
+            behavior_logp=behavior,
+            mask=mask,
             **dict(spec.correction_kwargs),
         )
     out = losses.get(spec.objective)(
@@ -177,8 +198,9 @@ def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_na
     metrics = {f"loss/{k}": v for k, v in out.metrics.items()}
     metrics["loss/policy"] = out.loss
     if spec.needs_ref:
-        kl = losses.low_var_kl(logp, ref_logp, mask, aggregation=spec.aggregation,
-                               axis_name=axis_name)
+        kl = losses.low_var_kl(
+            logp, ref_logp, mask, aggregation=spec.aggregation, axis_name=axis_name
+        )
         loss = loss + spec.kl_coef * kl.loss
         metrics["loss/kl_ref"] = kl.metrics["kl"]
     if spec.needs_old:
@@ -194,7 +216,10 @@ def opt_state_shardings(optimizer, opt_state, param_shardings, scalars=None):
     their parameter's sharding, the rest (step counts) ``scalars`` (None: left to the
     compiler)."""
     return optax.tree_map_params(
-        optimizer, lambda _, s: s, opt_state, param_shardings,
+        optimizer,
+        lambda _, s: s,
+        opt_state,
+        param_shardings,
         transform_non_params=lambda _: scalars,
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
@@ -204,12 +229,14 @@ def _constrain(tree, shardings):
     def put(x, s):
         return x if s is None else jax.lax.with_sharding_constraint(x, s)
 
-    return jax.tree.map(put, tree, shardings,
-                        is_leaf=lambda x: x is None or isinstance(x, NamedSharding))
+    return jax.tree.map(
+        put, tree, shardings, is_leaf=lambda x: x is None or isinstance(x, NamedSharding)
+    )
 
 
-def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, mesh,
-                    donate: bool = False):
+def make_train_step(
+    graphdef, optimizer, spec: LossSpec, *, prompt_width: int, mesh, donate: bool = False
+):
     """Builds the update ``step(state, batch, extra) -> (state, metrics)``.
 
     Layout on ``mesh`` (``sat_jax.parallel.make_mesh``: axes data, fsdp, expert, tensor):
@@ -261,8 +288,15 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
     axis_name = axes if axes else None
 
     def objective(local, batch):
-        return _objective(local["logp"], local["entropy"], local.get("old"), local.get("ref"),
-                          batch, spec, axis_name)
+        return _objective(
+            local["logp"],
+            local["entropy"],
+            local.get("old"),
+            local.get("ref"),
+            batch,
+            spec,
+            axis_name,
+        )
 
     def train(share, params, opt_state, count, batch, extra):
         model_cfg = nnx.merge(graphdef, params).config
@@ -270,7 +304,9 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
         shardings = param_shardings(model_cfg, mesh)
         batch = jax.tree.map(
             lambda v, s: jax.lax.with_sharding_constraint(v, NamedSharding(mesh, s)),
-            batch, RolloutBatch.specs(axes))
+            batch,
+            RolloutBatch.specs(axes),
+        )
         loss_fields = _loss_fields(batch)
         smap = jax.shard_map(objective, mesh=mesh, in_specs=P(axes), out_specs=(P(), P()))
 
@@ -278,12 +314,15 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
             local = {}
             if spec.needs_old:
                 local["old"] = jax.lax.stop_gradient(
-                    _logprobs(graphdef, extra["old"], batch, spec, prompt_width, share)[0])
+                    _logprobs(graphdef, extra["old"], batch, spec, prompt_width, share)[0]
+                )
             if spec.needs_ref:
                 local["ref"] = jax.lax.stop_gradient(
-                    _logprobs(graphdef, extra["ref"], batch, spec, prompt_width, share)[0])
-            local["logp"], local["entropy"], aux = _logprobs(graphdef, p, batch, spec,
-                                                             prompt_width, share)
+                    _logprobs(graphdef, extra["ref"], batch, spec, prompt_width, share)[0]
+                )
+            local["logp"], local["entropy"], aux = _logprobs(
+                graphdef, p, batch, spec, prompt_width, share
+            )
             loss, metrics = smap(local, loss_fields)
             if spec.router_aux:  # the model's Switch loss, over the global batch
                 loss = loss + aux["aux_loss"]
@@ -318,15 +357,18 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
         if share is None:
             # A traced batch (the step under vmap) cannot be checked, nor, without the other
             # processes agreeing, a batch spread over them: those run the plain program.
-            checkable = not any(isinstance(x, jax.core.Tracer) or (
-                isinstance(x, jax.Array) and not x.is_fully_addressable)
-                for x in jax.tree.leaves(batch))
+            checkable = not any(
+                isinstance(x, jax.core.Tracer)
+                or (isinstance(x, jax.Array) and not x.is_fully_addressable)
+                for x in jax.tree.leaves(batch)
+            )
             share = checkable and shares_prompt(batch, spec, prompt_width)
         if share and not grouped:
             raise ValueError("share=True needs a LossSpec with prompt_group > 1")
         fn = jitted if share else unshared
-        params, opt_state, count, metrics = fn(state.params, state.opt_state, state.step,
-                                               batch, extra)
+        params, opt_state, count, metrics = fn(
+            state.params, state.opt_state, state.step, batch, extra
+        )
         return TrainState(params, opt_state, count), metrics
 
     # The compiled program's handles, for tests and ahead-of-time compilation (``jitted`` is
@@ -334,10 +376,16 @@ def make_train_step(graphdef, optimizer, spec: LossSpec, *, prompt_width: int, m
     step._cache_size = lambda: jitted._cache_size() + (unshared._cache_size() if grouped else 0)
     step.jitted = jitted
     step.unshared = unshared
-    step.args = lambda state, batch, extra: (state.params, state.opt_state, state.step, batch,
-                                             extra)
-    step.lower = lambda state, batch, extra: jitted.lower(state.params, state.opt_state,
-                                                          state.step, batch, extra)
+    step.args = lambda state, batch, extra: (
+        state.params,
+        state.opt_state,
+        state.step,
+        batch,
+        extra,
+    )
+    step.lower = lambda state, batch, extra: jitted.lower(
+        state.params, state.opt_state, state.step, batch, extra
+    )
     return step
 
 
@@ -371,8 +419,9 @@ def init_train_state(params: nnx.State, optimizer, mesh=None, *, config=None) ->
     else:
         shardings = jax.tree.map(lambda x: x.sharding, params)
     replicated = NamedSharding(mesh, P())
-    opt_sh = opt_state_shardings(optimizer, jax.eval_shape(optimizer.init, params), shardings,
-                                 replicated)
+    opt_sh = opt_state_shardings(
+        optimizer, jax.eval_shape(optimizer.init, params), shardings, replicated
+    )
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
     return TrainState(params, opt_state, step)
@@ -381,9 +430,11 @@ def init_train_state(params: nnx.State, optimizer, mesh=None, *, config=None) ->
 def abstract_train_state(config, optimizer, mesh) -> TrainState:
     """The state ``init_train_state`` would place on ``mesh``, as sharded ``jax.ShapeDtypeStruct``
     leaves (nothing allocated): what ahead-of-time lowering of the step takes."""
+
     def spec(tree, shardings):
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            tree, shardings)
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
+        )
 
     shardings = param_shardings(config, mesh)
     params = spec(abstract_params(config), shardings)

@@ -84,11 +84,17 @@ def _draw_panel(ax, records, title: str, keys: Sequence[str]) -> None:
             continue
         marker = "." if steps.size < 50 else None
         if key in SMOOTHED and steps.size > 1:
-            (raw,) = ax.plot(steps, values, label=f"{key} (raw)", alpha=0.35, linewidth=0.8,
-                             marker=marker)
+            (raw,) = ax.plot(
+                steps, values, label=f"{key} (raw)", alpha=0.35, linewidth=0.8, marker=marker
+            )
             w = _window(steps.size)
-            ax.plot(steps, smooth(values, w), label=f"{key} (mean of {w} steps)",
-                    color=raw.get_color(), linewidth=1.8)
+            ax.plot(
+                steps,
+                smooth(values, w),
+                label=f"{key} (mean of {w} steps)",
+                color=raw.get_color(),
+                linewidth=1.8,
+            )
         else:
             ax.plot(steps, values, label=key, marker=marker)
     ax.set_title(title, fontsize=10)

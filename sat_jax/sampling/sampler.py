@@ -120,15 +120,22 @@ _JIT_CACHE_LOCK = threading.Lock()
 
 
 def _shared_jit(sampler):
-    key = (sampler.config, sampler.max_prompt_len, sampler.max_new_tokens, sampler.eos_id,
-           sampler.pad_id)
+    key = (
+        sampler.config,
+        sampler.max_prompt_len,
+        sampler.max_new_tokens,
+        sampler.eos_id,
+        sampler.pad_id,
+    )
     with _JIT_CACHE_LOCK:
         if key in _JIT_CACHE:
             _JIT_CACHE.move_to_end(key)
         else:
             # Bound to the first sampler with this key; every field the bodies read is in the key.
-            _JIT_CACHE[key] = (jax.jit(sampler._prefill_impl, static_argnums=6),
-                               jax.jit(sampler._decode_impl))
+            _JIT_CACHE[key] = (
+                jax.jit(sampler._prefill_impl, static_argnums=6),
+                jax.jit(sampler._decode_impl),
+            )
             if len(_JIT_CACHE) > _JIT_CACHE_SIZE:
                 _JIT_CACHE.popitem(last=False)
         return _JIT_CACHE[key]
@@ -232,8 +239,9 @@ class Sampler:
         n = self.max_new_tokens if num_steps is None else int(num_steps)
         if n < 0:
             raise ValueError(f"num_steps must be ≥ 0, got {num_steps}")
-        return self._decode(params, state, jnp.asarray(n, jnp.int32),
-                            jnp.asarray(version, jnp.int32))
+        return self._decode(
+            params, state, jnp.asarray(n, jnp.int32), jnp.asarray(version, jnp.int32)
+        )
 
     def is_done(self, state: DecodeState) -> bool:
         """True once all N tokens are decoded or every sequence has finished (host sync)."""
@@ -303,8 +311,11 @@ class Sampler:
 
     @staticmethod
     def _check_groups(tokens, mask, group_size) -> int:
-        if (isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer))
-                or group_size < 1):
+        if (
+            isinstance(group_size, bool)
+            or not isinstance(group_size, (int, np.integer))
+            or group_size < 1
+        ):
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
         g, b = int(group_size), tokens.shape[0]
         if b % g:
@@ -312,8 +323,10 @@ class Sampler:
         for name, a in (("prompts", tokens), ("prompt_lengths", mask)):
             bad = _checks.first_differing_group(a, g) if g > 1 else None
             if bad is not None:
-                raise ValueError(f"group_size={g}: rows {bad * g}..{bad * g + g - 1} of {name} "
-                                 "are not copies of one prompt")
+                raise ValueError(
+                    f"group_size={g}: rows {bad * g}..{bad * g + g - 1} of {name} "
+                    "are not copies of one prompt"
+                )
         return g
 
     def _prefill_impl(self, params, tokens, mask, lengths, key, sampling, group=1):

@@ -48,9 +48,9 @@ def support_cutoff(
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     n_keep = jnp.maximum(jnp.sum(in_k & (mass_before < top_p), axis=-1), 1)
     last_kept = jnp.take_along_axis(ranked, (n_keep - 1)[..., None], axis=-1)[..., 0]
-    first_dropped = jnp.take_along_axis(
-        ranked, jnp.minimum(n_keep, v - 1)[..., None], axis=-1
-    )[..., 0]
+    first_dropped = jnp.take_along_axis(ranked, jnp.minimum(n_keep, v - 1)[..., None], axis=-1)[
+        ..., 0
+    ]
     # The midpoint of the gap, not the last kept logit itself: a trainer whose logits differ by
     # rounding (another matmul order, another dtype) then rebuilds the same set.
     cutoff = 0.5 * last_kept + 0.5 * first_dropped

@@ -23,7 +23,25 @@ from sat_jax.study.stats import (
     t_quantile,
 )
 
-__all__ = ["GRIDS", "LABELS", "METHODS", "CollapseRule", "Grid", "Interrupted", "RunSpec",
-           "apply_override", "envelope_map", "expand", "is_finished", "mark_finished",
-           "mean_sd", "method_config", "paired", "paired_rows", "resolve", "run_all",
-           "summarize_run", "t_quantile"]
+__all__ = [
+    "GRIDS",
+    "LABELS",
+    "METHODS",
+    "CollapseRule",
+    "Grid",
+    "Interrupted",
+    "RunSpec",
+    "apply_override",
+    "envelope_map",
+    "expand",
+    "is_finished",
+    "mark_finished",
+    "mean_sd",
+    "method_config",
+    "paired",
+    "paired_rows",
+    "resolve",
+    "run_all",
+    "summarize_run",
+    "t_quantile",
+]

@@ -38,10 +38,18 @@ METHODS: dict[str, tuple[str, bool, str]] = {
 
 #: The paper's names of the methods (Table 1).
 LABELS = {
-    "grpo": "GRPO", "grpo_r3": "GRPO w/ R3", "grpo_tis": "GRPO w/ TIS",
-    "grpo_tis_r3": "GRPO w/ TIS w/ R3", "gspo": "GSPO", "gspo_r3": "GSPO w/ R3",
-    "gspo_tis": "GSPO w/ TIS", "gspo_tis_r3": "GSPO w/ TIS w/ R3", "dppo": "DPPO",
-    "sat_grpo": "SAT-GRPO", "sat_grpo_r3": "SAT-GRPO w/ R3", "sat_gspo": "SAT-GSPO",
+    "grpo": "GRPO",
+    "grpo_r3": "GRPO w/ R3",
+    "grpo_tis": "GRPO w/ TIS",
+    "grpo_tis_r3": "GRPO w/ TIS w/ R3",
+    "gspo": "GSPO",
+    "gspo_r3": "GSPO w/ R3",
+    "gspo_tis": "GSPO w/ TIS",
+    "gspo_tis_r3": "GSPO w/ TIS w/ R3",
+    "dppo": "DPPO",
+    "sat_grpo": "SAT-GRPO",
+    "sat_grpo_r3": "SAT-GRPO w/ R3",
+    "sat_gspo": "SAT-GSPO",
     "sat_gspo_r3": "SAT-GSPO w/ R3",
 }
 
@@ -65,21 +73,41 @@ class Grid:
 GRIDS: dict[str, Grid] = {
     "paper": Grid(
         "paper",
-        ("grpo", "grpo_r3", "grpo_tis", "grpo_tis_r3", "gspo", "gspo_r3", "gspo_tis",
-         "gspo_tis_r3", "dppo", "sat_grpo", "sat_grpo_r3", "sat_gspo", "sat_gspo_r3"),
+        (
+            "grpo",
+            "grpo_r3",
+            "grpo_tis",
+            "grpo_tis_r3",
+            "gspo",
+            "gspo_r3",
+            "gspo_tis",
+            "gspo_tis_r3",
+            "dppo",
+            "sat_grpo",
+            "sat_grpo_r3",
+            "sat_gspo",
+            "sat_gspo_r3",
+        ),
         baseline="grpo",
         description="the paper's Table 1: GRPO and GSPO, each plain, w/ R3, w/ TIS and w/ both; "
-                    "DPPO; SAT-GRPO and SAT-GSPO, each plain and w/ R3"),
+        "DPPO; SAT-GRPO and SAT-GSPO, each plain and w/ R3",
+    ),
     "core": Grid(
-        "core", ("grpo_r3", "gspo_r3", "dppo", "sat_grpo_r3", "sat_gspo_r3"),
+        "core",
+        ("grpo_r3", "gspo_r3", "dppo", "sat_grpo_r3", "sat_gspo_r3"),
         baseline="grpo_r3",
         description="GRPO, GSPO, DPPO, SAT-GRPO, SAT-GSPO; R3 wherever the paper's best run of "
-                    "the family uses it (Table 1: every family but DPPO, which the paper runs "
-                    "without)"),
+        "the family uses it (Table 1: every family but DPPO, which the paper runs "
+        "without)",
+    ),
     "envelope": Grid(
-        "envelope", ("grpo", "sat_grpo"), baseline="grpo", lags=(1, 2, 4, 8),
+        "envelope",
+        ("grpo", "sat_grpo"),
+        baseline="grpo",
+        lags=(1, 2, 4, 8),
         lrs=(1e-4, 3e-4, 1e-3),
-        description="SAT's operating envelope: GRPO and SAT-GRPO over learning rate × lag"),
+        description="SAT's operating envelope: GRPO and SAT-GRPO over learning rate × lag",
+    ),
 }
 
 
@@ -135,8 +163,10 @@ def parse_methods(text: str) -> tuple[str, ...]:
     names = tuple(t.strip() for t in str(text).split(",") if t.strip())
     unknown = [n for n in names if n not in METHODS]
     if not names or unknown:
-        raise ValueError(f"--methods: unknown method(s) {unknown or text!r}; expected names from "
-                         f"{sorted(METHODS)}")
+        raise ValueError(
+            f"--methods: unknown method(s) {unknown or text!r}; expected names from "
+            f"{sorted(METHODS)}"
+        )
     if len(set(names)) != len(names):
         raise ValueError(f"--methods has repeated names: {text!r}")
     return names
@@ -171,14 +201,21 @@ def apply_override(config, item: str) -> None:
         try:
             value = type(current)(raw)
         except ValueError:
-            raise ValueError(f"--set {key}: expected a {type(current).__name__}, "
-                             f"got {raw!r}") from None
+            raise ValueError(
+                f"--set {key}: expected a {type(current).__name__}, got {raw!r}"
+            ) from None
     node[leaf] = value
 
 
-def resolve(grid: str | Grid, *, seeds: int | None = None, lags: Sequence[int] | None = None,
-            lrs: Sequence[float] | None = None, methods: Sequence[str] | None = None,
-            baseline: str | None = None) -> Grid:
+def resolve(
+    grid: str | Grid,
+    *,
+    seeds: int | None = None,
+    lags: Sequence[int] | None = None,
+    lrs: Sequence[float] | None = None,
+    methods: Sequence[str] | None = None,
+    baseline: str | None = None,
+) -> Grid:
     """The named grid with the command line's choices applied, checked.
 
     Raises:
@@ -208,8 +245,9 @@ def resolve(grid: str | Grid, *, seeds: int | None = None, lags: Sequence[int] |
         changes["baseline"] = baseline
     grid = dataclasses.replace(grid, **changes)
     if grid.baseline not in grid.methods:
-        raise ValueError(f"--baseline {grid.baseline!r} is not one of the grid's methods "
-                         f"{grid.methods}")
+        raise ValueError(
+            f"--baseline {grid.baseline!r} is not one of the grid's methods {grid.methods}"
+        )
     return grid
 
 
@@ -221,8 +259,9 @@ def method_config(method: str):
     return config_lib.method_config(method, objective, r3=r3, correction=correction)
 
 
-def expand(grid: Grid, out_dir: str, *, lag_mode: str = "broadcast",
-           overrides: Sequence[str] = ()) -> list[tuple[RunSpec, object]]:
+def expand(
+    grid: Grid, out_dir: str, *, lag_mode: str = "broadcast", overrides: Sequence[str] = ()
+) -> list[tuple[RunSpec, object]]:
     """(spec, config) of every run of ``grid``: methods × lags × learning rates × seeds in that
     order (seed innermost, so one method's runs, which share a compiled step, are adjacent).
 
@@ -235,11 +274,13 @@ def expand(grid: Grid, out_dir: str, *, lag_mode: str = "broadcast",
     for item in overrides:
         key = item.partition("=")[0]
         if key in GRID_FIELDS:
-            raise ValueError(f"--set {key}: the grid sets this field (use --lags, --seeds, "
-                             f"--lag_mode or --out)")
+            raise ValueError(
+                f"--set {key}: the grid sets this field (use --lags, --seeds, --lag_mode or --out)"
+            )
         if key == "optim.learning_rate" and grid.lrs is not None:
-            raise ValueError("--set optim.learning_rate: this grid varies the learning rate; "
-                             "use --lrs")
+            raise ValueError(
+                "--set optim.learning_rate: this grid varies the learning rate; use --lrs"
+            )
     out = []
     for method, lag in itertools.product(grid.methods, grid.lags):
         for lr_choice in grid.lrs or (None,):

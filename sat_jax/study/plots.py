@@ -14,9 +14,15 @@ import numpy as np
 from sat_jax.run.plots import _new_figure, _series, _window, smooth
 
 
-def plot_trajectories(runs: Sequence[tuple[Any, Sequence[Mapping[str, Any]]]], key: str,
-                      out_path, *, title: str, labels: Mapping[str, str] | None = None,
-                      smoothed: bool = False) -> Path | None:
+def plot_trajectories(
+    runs: Sequence[tuple[Any, Sequence[Mapping[str, Any]]]],
+    key: str,
+    out_path,
+    *,
+    title: str,
+    labels: Mapping[str, str] | None = None,
+    smoothed: bool = False,
+) -> Path | None:
     """One panel per method of ``runs`` ((spec, records) pairs), one colour per lag; each seed a
     thin line, the mean over seeds (on the steps every seed logged) bold. ``smoothed`` draws a
     trailing moving average over a twentieth of the run (at least 5 steps) instead of raw values.
@@ -52,8 +58,13 @@ def plot_trajectories(runs: Sequence[tuple[Any, Sequence[Mapping[str, Any]]]], k
                     common = np.intersect1d(common, steps)
                 if common.size:
                     mean = np.stack([v[np.searchsorted(s, common)] for s, v in group]).mean(0)
-                    ax.plot(common, mean, color=color, linewidth=2.0,
-                            label=f"lag {lag} (n={len(group)})")
+                    ax.plot(
+                        common,
+                        mean,
+                        color=color,
+                        linewidth=2.0,
+                        label=f"lag {lag} (n={len(group)})",
+                    )
         ax.set_title((labels or {}).get(method, method), fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -82,8 +93,9 @@ def _value(entry: Mapping[str, Any], field: str) -> float:
     return math.nan if v is None else float(v)
 
 
-def plot_envelope(map_rows: Sequence[Mapping[str, Any]], out_path, *,
-                  titles: Mapping[str, str] | None = None) -> Path | None:
+def plot_envelope(
+    map_rows: Sequence[Mapping[str, Any]], out_path, *, titles: Mapping[str, str] | None = None
+) -> Path | None:
     """Heatmaps of :func:`sat_jax.study.stats.envelope_map` rows, learning rate (rows) × lag
     (columns), each cell annotated with its value; blank where undefined."""
     if not map_rows:

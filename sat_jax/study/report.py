@@ -17,13 +17,37 @@ from sat_jax.study import plots as study_plots
 from sat_jax.study import runner, stats
 from sat_jax.study.grid import LABELS, Grid
 
-CSV_COLUMNS = ("method", "label", "lag_mode", "lag", "lr", "seed", "status", "steps", "base",
-               "best", "best_step", "final", "final_step", "collapsed", "mismatch_t25", "q_t25",
-               "binding_t25", "lag_t25", "reward_t25", "wall_s", "run_dir")
+CSV_COLUMNS = (
+    "method",
+    "label",
+    "lag_mode",
+    "lag",
+    "lr",
+    "seed",
+    "status",
+    "steps",
+    "base",
+    "best",
+    "best_step",
+    "final",
+    "final_step",
+    "collapsed",
+    "mismatch_t25",
+    "q_t25",
+    "binding_t25",
+    "lag_t25",
+    "reward_t25",
+    "wall_s",
+    "run_dir",
+)
 
 
-def collect(runs: Sequence[tuple[Any, Any]], *, out_dir: str = ".",
-            rule: stats.CollapseRule = stats.DEFAULT_RULE) -> tuple[list[dict], list[tuple]]:
+def collect(
+    runs: Sequence[tuple[Any, Any]],
+    *,
+    out_dir: str = ".",
+    rule: stats.CollapseRule = stats.DEFAULT_RULE,
+) -> tuple[list[dict], list[tuple]]:
     """(rows, (spec, records) pairs) of the runs that have logged anything; a run without
     ``done.json`` is ``partial``."""
     rows, traces = [], []
@@ -33,12 +57,20 @@ def collect(runs: Sequence[tuple[Any, Any]], *, out_dir: str = ".",
         except FileNotFoundError:
             continue
         finished = runner.is_finished(config)
-        rows.append({"method": spec.method, "label": LABELS.get(spec.method, spec.method),
-                     "lag_mode": spec.lag_mode, "lag": spec.lag, "lr": spec.lr,
-                     "seed": spec.seed, "status": "finished" if finished else "partial",
-                     "wall_s": runner.run_wall_seconds(config.workdir) if finished else None,
-                     "run_dir": os.path.relpath(config.workdir, out_dir),
-                     **stats.summarize_run(records, rule=rule)})
+        rows.append(
+            {
+                "method": spec.method,
+                "label": LABELS.get(spec.method, spec.method),
+                "lag_mode": spec.lag_mode,
+                "lag": spec.lag,
+                "lr": spec.lr,
+                "seed": spec.seed,
+                "status": "finished" if finished else "partial",
+                "wall_s": runner.run_wall_seconds(config.workdir) if finished else None,
+                "run_dir": os.path.relpath(config.workdir, out_dir),
+                **stats.summarize_run(records, rule=rule),
+            }
+        )
         traces.append((spec, records))
     return rows, traces
 
@@ -50,18 +82,31 @@ def provenance() -> dict[str, str]:
 
     src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        commit = subprocess.run(["git", "-C", src, "rev-parse", "HEAD"], capture_output=True,
-                                text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", src, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", src, "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", src, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         if dirty:
             commit += " (with uncommitted changes)"
     except (OSError, subprocess.SubprocessError):
         commit = "unknown (not a git checkout)"
     devices = jax.devices()
-    return {"commit": commit, "jax": jax.__version__, "python": platform.python_version(),
-            "devices": f"{len(devices)} × {devices[0].device_kind} ({jax.default_backend()})",
-            "host": f"{platform.node()}, {os.cpu_count()} CPU cores"}
+    return {
+        "commit": commit,
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "devices": f"{len(devices)} × {devices[0].device_kind} ({jax.default_backend()})",
+        "host": f"{platform.node()}, {os.cpu_count()} CPU cores",
+    }
 
 
 def _label(method: str) -> str:
@@ -74,10 +119,19 @@ def _clock(seconds: float | None) -> str:
     return f"{seconds:.0f} s ({seconds / 3600:.2f} h)" if seconds >= 60 else f"{seconds:.1f} s"
 
 
-def write(out_dir: str, grid: Grid, runs: Sequence[tuple[Any, Any]], *, command: str,
-          lag_mode: str, overrides: Sequence[str], invocation: dict[str, Any] | None = None,
-          rule: stats.CollapseRule = stats.DEFAULT_RULE, eps: float = 0.2,
-          plots: bool = True) -> dict[str, Any]:
+def write(
+    out_dir: str,
+    grid: Grid,
+    runs: Sequence[tuple[Any, Any]],
+    *,
+    command: str,
+    lag_mode: str,
+    overrides: Sequence[str],
+    invocation: dict[str, Any] | None = None,
+    rule: stats.CollapseRule = stats.DEFAULT_RULE,
+    eps: float = 0.2,
+    plots: bool = True,
+) -> dict[str, Any]:
     """Writes ``results.csv``, ``results.md`` and (with ``plots``) the plots; returns their paths
     and the rows."""
     rows, traces = collect(runs, out_dir=out_dir, rule=rule)
@@ -89,14 +143,32 @@ def write(out_dir: str, grid: Grid, runs: Sequence[tuple[Any, Any]], *, command:
     sat = _sat_partner(grid)
     if grid.name == "envelope" or (grid.lrs and len(grid.lrs) > 1 and sat):
         env = stats.envelope_map(rows, baseline=grid.baseline, sat=sat, eps=eps)
-        path = study_plots.plot_envelope(env, os.path.join(out_dir, "plots", "envelope.png"),
-                                         titles=_envelope_titles(grid.baseline, sat)) \
-            if plots else None
+        path = (
+            study_plots.plot_envelope(
+                env,
+                os.path.join(out_dir, "plots", "envelope.png"),
+                titles=_envelope_titles(grid.baseline, sat),
+            )
+            if plots
+            else None
+        )
         if path:
             plot_paths.append(str(path))
-    md = _markdown(grid, rows, env, plot_paths, out_dir=out_dir, command=command,
-                   lag_mode=lag_mode, overrides=overrides, invocation=invocation or {},
-                   rule=rule, total=len(runs), eps=eps, sat=sat)
+    md = _markdown(
+        grid,
+        rows,
+        env,
+        plot_paths,
+        out_dir=out_dir,
+        command=command,
+        lag_mode=lag_mode,
+        overrides=overrides,
+        invocation=invocation or {},
+        rule=rule,
+        total=len(runs),
+        eps=eps,
+        sat=sat,
+    )
     md_path = os.path.join(out_dir, "results.md")
     with open(md_path, "w", encoding="utf-8") as f:
         f.write(md)
@@ -114,9 +186,13 @@ def _sat_partner(grid: Grid) -> str | None:
 
 def _envelope_titles(baseline: str, sat: str | None) -> dict[str, str]:
     b, s = _label(baseline), _label(sat or "sat")
-    return {"base_drop": f"{b}: final pass@1 change from lag 1",
-            "sat_diff": f"{s} − {b}: final pass@1", "mismatch": f"{b}: d̄_π (trailing 25%)",
-            "q": f"{s}: q (trailing 25%)", "binding": f"{s}: binding rate (trailing 25%)"}
+    return {
+        "base_drop": f"{b}: final pass@1 change from lag 1",
+        "sat_diff": f"{s} − {b}: final pass@1",
+        "mismatch": f"{b}: d̄_π (trailing 25%)",
+        "q": f"{s}: q (trailing 25%)",
+        "binding": f"{s}: binding rate (trailing 25%)",
+    }
 
 
 def _plots(out_dir: str, grid: Grid, traces) -> list[str]:
@@ -126,104 +202,214 @@ def _plots(out_dir: str, grid: Grid, traces) -> list[str]:
         sub = [(s, r) for s, r in traces if s.lr == lr]
         suffix = f"-lr{lr:g}" if len(lrs) > 1 else ""
         for key, stem, title, smoothed in (
-                (stats.PASS, "accuracy", "held-out pass@1", False),
-                ("loss/mismatch", "mismatch", "d̄_π (moving average)", True)):
+            (stats.PASS, "accuracy", "held-out pass@1", False),
+            ("loss/mismatch", "mismatch", "d̄_π (moving average)", True),
+        ):
             path = study_plots.plot_trajectories(
-                sub, key, os.path.join(out_dir, "plots", f"{stem}{suffix}.png"),
-                title=f"{grid.name}: {title}, lr {lr:g}", labels=LABELS, smoothed=smoothed)
+                sub,
+                key,
+                os.path.join(out_dir, "plots", f"{stem}{suffix}.png"),
+                title=f"{grid.name}: {title}, lr {lr:g}",
+                labels=LABELS,
+                smoothed=smoothed,
+            )
             if path:
                 paths.append(str(path))
     return paths
 
 
-def _markdown(grid, rows, env, plot_paths, *, out_dir, command, lag_mode, overrides, invocation,
-              rule, total, eps, sat) -> str:
+def _markdown(
+    grid,
+    rows,
+    env,
+    plot_paths,
+    *,
+    out_dir,
+    command,
+    lag_mode,
+    overrides,
+    invocation,
+    rule,
+    total,
+    eps,
+    sat,
+) -> str:
     prov = provenance()
     finished = sum(r["status"] == "finished" for r in rows)
     run_sum = sum(r["wall_s"] or 0.0 for r in rows)
-    lines = [f"# Study `{grid.name}`", "",
-             f"{grid.description}.", "",
-             "## Provenance", "",
-             f"- command: `{command}`",
-             f"- commit: {prov['commit']}",
-             f"- JAX {prov['jax']}, Python {prov['python']}; {prov['devices']}; {prov['host']}",
-             f"- written: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
-             f"- runs: {finished} finished of {total}"
-             + (f" ({len(rows) - finished} partial)" if len(rows) > finished else ""),
-             *([f"- **failed in this invocation**: {', '.join(invocation['failed'])} "
-                "(tracebacks in `runs/<name>/error.txt`)"] if invocation.get("failed") else []),
-             f"- wall time of this invocation: {_clock(invocation.get('seconds'))} "
-             f"({len(invocation.get('trained', []))} runs trained, "
-             f"{len(invocation.get('skipped', []))} already finished); sum of the finished runs' "
-             f"own times (across invocations): {_clock(run_sum)}",
-             "",
-             "## Grid", "",
-             f"- methods: {', '.join(_label(m) + f' (`{m}`)' for m in grid.methods)}",
-             f"- lags ({lag_mode}): {', '.join(map(str, grid.lags))}; learning rates: "
-             + (", ".join(f"{v:g}" for v in grid.lrs) if grid.lrs else
-                "the config's (" + ", ".join(sorted({f"{r['lr']:g}" for r in rows})) + ")"),
-             f"- seeds: 0 … {grid.seeds - 1} ({grid.seeds}); baseline of the paired differences: "
-             f"{_label(grid.baseline)}",
-             f"- config overrides (every run): {', '.join(f'`{o}`' for o in overrides) or 'none'}",
-             "",
-             "## Definitions", "",
-             "- **pass@1**: held-out accuracy of one sample per prompt at the rollout "
-             "temperature (`eval/pass@1`). **base**: at step 0 (the warm-up's policy); **best**: "
-             "the highest evaluation after step 0; **final**: the last evaluation.",
-             "- **d̄_π**, **q**, **binding**, **realized lag**: means over the last 25% of "
-             "training steps of `loss/mismatch`, `loss/sat/q` (SAT objectives only), "
-             "`loss/sat/binding_rate` and `lag/mean`.",
-             f"- Collapse rule: {rule.describe()}",
-             "- Mean ± sd over seeds (sd with ddof 1). **Paired difference**: per seed, method "
-             "minus baseline at the same lag and learning rate (same warm-up and prompt order); "
-             "mean, 95% Student-t interval mean ± t_{0.975,n−1}·sd/√n, and how many seeds went "
-             "up. An interval that contains 0 does not show a difference.",
-             ""]
-    lines += ["## Per cell", "",
-              stats.markdown_table(
-                  ["method", "lag", "lr", "n", "base", "best", "final", "collapsed", "d̄_π",
-                   "q", "binding", "realized lag"],
-                  [[_label(c["method"]), c["lag"], f"{c['lr']:g}", c["n"],
-                    stats.fmt(c["base"]), stats.fmt_pm(c["best"], c["best_sd"]),
-                    stats.fmt_pm(c["final"], c["final_sd"]), f"{c['collapsed']}/{c['n']}",
-                    stats.fmt(c["mismatch_t25"], 4), stats.fmt(c["q_t25"], 4),
-                    stats.fmt(c["binding_t25"], 4), stats.fmt(c["lag_t25"], 2)]
-                   for c in stats.cell_summary(rows)]), ""]
+    lines = [
+        f"# Study `{grid.name}`",
+        "",
+        f"{grid.description}.",
+        "",
+        "## Provenance",
+        "",
+        f"- command: `{command}`",
+        f"- commit: {prov['commit']}",
+        f"- JAX {prov['jax']}, Python {prov['python']}; {prov['devices']}; {prov['host']}",
+        f"- written: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
+        f"- runs: {finished} finished of {total}"
+        + (f" ({len(rows) - finished} partial)" if len(rows) > finished else ""),
+        *(
+            [
+                f"- **failed in this invocation**: {', '.join(invocation['failed'])} "
+                "(tracebacks in `runs/<name>/error.txt`)"
+            ]
+            if invocation.get("failed")
+            else []
+        ),
+        f"- wall time of this invocation: {_clock(invocation.get('seconds'))} "
+        f"({len(invocation.get('trained', []))} runs trained, "
+        f"{len(invocation.get('skipped', []))} already finished); sum of the finished runs' "
+        f"own times (across invocations): {_clock(run_sum)}",
+        "",
+        "## Grid",
+        "",
+        f"- methods: {', '.join(_label(m) + f' (`{m}`)' for m in grid.methods)}",
+        f"- lags ({lag_mode}): {', '.join(map(str, grid.lags))}; learning rates: "
+        + (
+            ", ".join(f"{v:g}" for v in grid.lrs)
+            if grid.lrs
+            else "the config's (" + ", ".join(sorted({f"{r['lr']:g}" for r in rows})) + ")"
+        ),
+        f"- seeds: 0 … {grid.seeds - 1} ({grid.seeds}); baseline of the paired differences: "
+        f"{_label(grid.baseline)}",
+        f"- config overrides (every run): {', '.join(f'`{o}`' for o in overrides) or 'none'}",
+        "",
+        "## Definitions",
+        "",
+        "- **pass@1**: held-out accuracy of one sample per prompt at the rollout "
+        "temperature (`eval/pass@1`). **base**: at step 0 (the warm-up's policy); **best**: "
+        "the highest evaluation after step 0; **final**: the last evaluation.",
+        "- **d̄_π**, **q**, **binding**, **realized lag**: means over the last 25% of "
+        "training steps of `loss/mismatch`, `loss/sat/q` (SAT objectives only), "
+        "`loss/sat/binding_rate` and `lag/mean`.",
+        f"- Collapse rule: {rule.describe()}",
+        "- Mean ± sd over seeds (sd with ddof 1). **Paired difference**: per seed, method "
+        "minus baseline at the same lag and learning rate (same warm-up and prompt order); "
+        "mean, 95% Student-t interval mean ± t_{0.975,n−1}·sd/√n, and how many seeds went "
+        "up. An interval that contains 0 does not show a difference.",
+        "",
+    ]
+    lines += [
+        "## Per cell",
+        "",
+        stats.markdown_table(
+            [
+                "method",
+                "lag",
+                "lr",
+                "n",
+                "base",
+                "best",
+                "final",
+                "collapsed",
+                "d̄_π",
+                "q",
+                "binding",
+                "realized lag",
+            ],
+            [
+                [
+                    _label(c["method"]),
+                    c["lag"],
+                    f"{c['lr']:g}",
+                    c["n"],
+                    stats.fmt(c["base"]),
+                    stats.fmt_pm(c["best"], c["best_sd"]),
+                    stats.fmt_pm(c["final"], c["final_sd"]),
+                    f"{c['collapsed']}/{c['n']}",
+                    stats.fmt(c["mismatch_t25"], 4),
+                    stats.fmt(c["q_t25"], 4),
+                    stats.fmt(c["binding_t25"], 4),
+                    stats.fmt(c["lag_t25"], 2),
+                ]
+                for c in stats.cell_summary(rows)
+            ],
+        ),
+        "",
+    ]
     pairs = stats.paired_rows(rows, grid.baseline)
     if pairs:
-        lines += [f"## Paired differences against {_label(grid.baseline)}", "",
-                  stats.markdown_table(
-                      ["method", "lag", "lr", "Δ best pass@1 [95% CI]",
-                       "Δ final pass@1 [95% CI]"],
-                      [[_label(p["method"]), p["lag"], f"{p['lr']:g}",
-                        stats.fmt_paired(p["best"]), stats.fmt_paired(p["final"])]
-                       for p in pairs]), ""]
+        lines += [
+            f"## Paired differences against {_label(grid.baseline)}",
+            "",
+            stats.markdown_table(
+                ["method", "lag", "lr", "Δ best pass@1 [95% CI]", "Δ final pass@1 [95% CI]"],
+                [
+                    [
+                        _label(p["method"]),
+                        p["lag"],
+                        f"{p['lr']:g}",
+                        stats.fmt_paired(p["best"]),
+                        stats.fmt_paired(p["final"]),
+                    ]
+                    for p in pairs
+                ],
+            ),
+            "",
+        ]
     lagged = stats.lag_rows(rows)
     if lagged:
-        lines += [f"## Each method against itself at lag {lagged[0]['from_lag']}", "",
-                  "Paired on the same seed and learning rate: what staleness costs each method.",
-                  "",
-                  stats.markdown_table(
-                      ["method", "lag", "lr", "Δ best pass@1 [95% CI]",
-                       "Δ final pass@1 [95% CI]"],
-                      [[_label(p["method"]), p["lag"], f"{p['lr']:g}",
-                        stats.fmt_paired(p["best"]), stats.fmt_paired(p["final"])]
-                       for p in lagged]), ""]
+        lines += [
+            f"## Each method against itself at lag {lagged[0]['from_lag']}",
+            "",
+            "Paired on the same seed and learning rate: what staleness costs each method.",
+            "",
+            stats.markdown_table(
+                ["method", "lag", "lr", "Δ best pass@1 [95% CI]", "Δ final pass@1 [95% CI]"],
+                [
+                    [
+                        _label(p["method"]),
+                        p["lag"],
+                        f"{p['lr']:g}",
+                        stats.fmt_paired(p["best"]),
+                        stats.fmt_paired(p["final"]),
+                    ]
+                    for p in lagged
+                ],
+            ),
+            "",
+        ]
     if env is not None:
         b, s = _label(grid.baseline), _label(sat or "")
-        lines += ["## Operating envelope (learning rate × lag)", "",
-                  f"Per cell: {b}'s paired change of final pass@1 from lag 1 (same seed and "
-                  f"learning rate), its d̄_π; {s}'s q and binding rate (trailing 25%); whether "
-                  f"q < log(1 + ε) = {math.log1p(eps):.3f} (ε = {eps:g}: below it SAT's trust "
-                  f"region can bind); and {s} − {b} in final pass@1, paired.", "",
-                  stats.markdown_table(
-                      ["lr", "lag", f"{b} final", f"{b} Δ from lag 1", "d̄_π", "q",
-                       "q < log(1+ε)", "binding", f"{s} − {b}"],
-                      [[f"{e['lr']:g}", e["lag"], stats.fmt(e["base_final"]),
+        lines += [
+            "## Operating envelope (learning rate × lag)",
+            "",
+            f"Per cell: {b}'s paired change of final pass@1 from lag 1 (same seed and "
+            f"learning rate), its d̄_π; {s}'s q and binding rate (trailing 25%); whether "
+            f"q < log(1 + ε) = {math.log1p(eps):.3f} (ε = {eps:g}: below it SAT's trust "
+            f"region can bind); and {s} − {b} in final pass@1, paired.",
+            "",
+            stats.markdown_table(
+                [
+                    "lr",
+                    "lag",
+                    f"{b} final",
+                    f"{b} Δ from lag 1",
+                    "d̄_π",
+                    "q",
+                    "q < log(1+ε)",
+                    "binding",
+                    f"{s} − {b}",
+                ],
+                [
+                    [
+                        f"{e['lr']:g}",
+                        e["lag"],
+                        stats.fmt(e["base_final"]),
                         stats.fmt_paired(e["base_drop"]) if e["base_drop"] else "(lag 1)",
-                        stats.fmt(e["mismatch"], 4), stats.fmt(e["q"], 4),
-                        _can_act(e), stats.fmt(e["binding"], 4),
-                        stats.fmt_paired(e["sat_diff"])] for e in env]), ""]
+                        stats.fmt(e["mismatch"], 4),
+                        stats.fmt(e["q"], 4),
+                        _can_act(e),
+                        stats.fmt(e["binding"], 4),
+                        stats.fmt_paired(e["sat_diff"]),
+                    ]
+                    for e in env
+                ],
+            ),
+            "",
+        ]
     if plot_paths:
         lines += ["## Plots", ""]
         lines += [f"![{os.path.basename(p)}]({os.path.relpath(p, out_dir)})" for p in plot_paths]

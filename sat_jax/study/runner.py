@@ -47,8 +47,12 @@ def is_finished(config) -> bool:
 
 def mark_finished(config, summary: dict[str, Any]) -> None:
     os.makedirs(config.workdir, exist_ok=True)
-    record = {"config": _plain(config), "wall_seconds": summary.get("wall_seconds"),
-              "end_step": summary.get("end_step"), "final_eval": summary.get("final_eval")}
+    record = {
+        "config": _plain(config),
+        "wall_seconds": summary.get("wall_seconds"),
+        "end_step": summary.get("end_step"),
+        "final_eval": summary.get("final_eval"),
+    }
     tmp = os.path.join(config.workdir, DONE_FILE + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
@@ -80,8 +84,9 @@ def program_group(config) -> str:
     return json.dumps(c, sort_keys=True)
 
 
-def estimate(cold: Sequence[float], warm: Sequence[float], cold_left: int,
-             warm_left: int) -> float | None:
+def estimate(
+    cold: Sequence[float], warm: Sequence[float], cold_left: int, warm_left: int
+) -> float | None:
     """Seconds left: the runs that will compile a new trainer step (``cold``, the first of their
     :func:`program_group`) at the mean time of the cold runs so far, the others at the mean of the
     warm ones (each mean standing in for the other until it exists); None before any run."""
@@ -104,10 +109,14 @@ class Interrupted(Exception):
     """A run stopped on Ctrl-C (its checkpoint saved); the grid stops there."""
 
 
-def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | None = None,
-            log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
-            fatal: type | tuple[type, ...] | None = None,
-            after_run: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def run_all(
+    runs: Sequence[tuple[Any, Any]],
+    *,
+    train: Callable[[Any], dict] | None = None,
+    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+    fatal: type | tuple[type, ...] | None = None,
+    after_run: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Runs every (spec, config) in order, skipping finished runs.
 
     ``train(config) -> summary`` defaults to ``learner.train(config, quiet=True)``; tests pass a
@@ -143,14 +152,19 @@ def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | N
     trained, failed, run_seconds = [], [], {}
 
     def so_far():
-        return {"trained": trained, "skipped": skipped, "failed": failed,
-                "seconds": time.perf_counter() - t0, "run_seconds": run_seconds}
+        return {
+            "trained": trained,
+            "skipped": skipped,
+            "failed": failed,
+            "seconds": time.perf_counter() - t0,
+            "run_seconds": run_seconds,
+        }
 
     def finish(i: int, message: str) -> None:
         """Counts run ``i`` done, logs the progress line with ``message``, calls ``after_run``."""
         nonlocal done
         done += 1
-        left = cold_flags[i + 1:]
+        left = cold_flags[i + 1 :]
         eta = estimate(cold, warm, sum(left), len(left) - sum(left))
         log(f"{progress_line(done, total, time.perf_counter() - t0, eta)} | {message}")
         if after_run is not None:
@@ -170,13 +184,18 @@ def run_all(runs: Sequence[tuple[Any, Any]], *, train: Callable[[Any], dict] | N
             with open(os.path.join(config.workdir, ERROR_FILE), "w", encoding="utf-8") as f:
                 f.write(traceback.format_exc())
             failed.append(spec.name)
-            finish(i, f"{spec.name} FAILED after {seconds:.1f}s: {type(e).__name__}: {e} "
-                      f"(traceback in {os.path.join(config.workdir, ERROR_FILE)}); continuing")
+            finish(
+                i,
+                f"{spec.name} FAILED after {seconds:.1f}s: {type(e).__name__}: {e} "
+                f"(traceback in {os.path.join(config.workdir, ERROR_FILE)}); continuing",
+            )
             continue
         seconds = time.perf_counter() - t
         if summary.get("interrupted"):
-            log(f"interrupted in {spec.name}; its checkpoint is saved: run the same command "
-                "again to resume")
+            log(
+                f"interrupted in {spec.name}; its checkpoint is saved: run the same command "
+                "again to resume"
+            )
             raise Interrupted(spec.name)
         mark_finished(config, {**summary, "wall_seconds": seconds})
         (cold if cold_flags[i] else warm).append(seconds)

@@ -37,6 +37,7 @@ TRAILING = {
 # ---------------------------------------------------------------------------------------------
 # Student's t quantile.
 
+
 def _betacf(a: float, b: float, x: float) -> float:
     """Continued fraction of the incomplete beta function (modified Lentz)."""
     tiny = 1e-300
@@ -70,8 +71,9 @@ def _betainc(a: float, b: float, x: float) -> float:
         return 0.0
     if x >= 1.0:
         return 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                     + a * math.log(x) + b * math.log1p(-x))
+    front = math.exp(
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
     if x < (a + 1.0) / (a + b + 2.0):
         return front * _betacf(a, b, x) / a
     return 1.0 - front * _betacf(b, a, 1.0 - x) / b
@@ -109,6 +111,7 @@ def t_quantile(p: float, df: float) -> float:
 # ---------------------------------------------------------------------------------------------
 # Per-run summary and the collapse rule.
 
+
 @dataclasses.dataclass(frozen=True)
 class CollapseRule:
     """A run *collapsed* when its final held-out pass@1 is below the base policy's (the step-0
@@ -127,13 +130,18 @@ class CollapseRule:
         return bool(below_base or fell)
 
     def describe(self) -> str:
-        base = ("below the base policy's (its step-0 evaluation, after the warm-up)" if
-                self.margin == 0 else f"more than {self.margin:g} below the base policy's "
-                "(its step-0 evaluation, after the warm-up)")
-        return (f"a run **collapsed** if its final held-out pass@1 is {base}, or if it is "
-                f"below {1 - self.fall:g} × its best held-out pass@1 after step 0 (a fall of "
-                f"more than {self.fall:.0%} from its best that has not recovered by the end). "
-                "Collapsed runs stay in every mean; the tables count them.")
+        base = (
+            "below the base policy's (its step-0 evaluation, after the warm-up)"
+            if self.margin == 0
+            else f"more than {self.margin:g} below the base policy's "
+            "(its step-0 evaluation, after the warm-up)"
+        )
+        return (
+            f"a run **collapsed** if its final held-out pass@1 is {base}, or if it is "
+            f"below {1 - self.fall:g} × its best held-out pass@1 after step 0 (a fall of "
+            f"more than {self.fall:.0%} from its best that has not recovered by the end). "
+            "Collapsed runs stay in every mean; the tables count them."
+        )
 
 
 def _by_step(records: Iterable[Mapping[str, Any]], key: str) -> dict[int, float]:
@@ -148,8 +156,12 @@ def _by_step(records: Iterable[Mapping[str, Any]], key: str) -> dict[int, float]
 DEFAULT_RULE = CollapseRule()
 
 
-def summarize_run(records: Sequence[Mapping[str, Any]], *, trailing: float = 0.25,
-                  rule: CollapseRule = DEFAULT_RULE) -> dict[str, Any]:
+def summarize_run(
+    records: Sequence[Mapping[str, Any]],
+    *,
+    trailing: float = 0.25,
+    rule: CollapseRule = DEFAULT_RULE,
+) -> dict[str, Any]:
     """One run's numbers from its ``metrics.jsonl`` records.
 
     * ``base``: pass@1 at step 0 (the warm-up's policy); ``best`` / ``best_step``: the highest
@@ -173,10 +185,19 @@ def summarize_run(records: Sequence[Mapping[str, Any]], *, trailing: float = 0.2
         best = final = math.nan
         best_step = final_step = -1
     train_steps = sorted(_by_step(records, "loss/mismatch"))
-    out: dict[str, Any] = {"base": base, "best": best, "best_step": best_step, "final": final,
-                           "final_step": final_step, "steps": len(train_steps)}
-    window = set(train_steps[-max(1, math.ceil(trailing * len(train_steps))):]) \
-        if train_steps else set()
+    out: dict[str, Any] = {
+        "base": base,
+        "best": best,
+        "best_step": best_step,
+        "final": final,
+        "final_step": final_step,
+        "steps": len(train_steps),
+    }
+    window = (
+        set(train_steps[-max(1, math.ceil(trailing * len(train_steps))) :])
+        if train_steps
+        else set()
+    )
     for name, key in TRAILING.items():
         values = [v for s, v in _by_step(records, key).items() if s in window and math.isfinite(v)]
         out[f"{name}_t25"] = float(np.mean(values)) if values else math.nan
@@ -187,6 +208,7 @@ def summarize_run(records: Sequence[Mapping[str, Any]], *, trailing: float = 0.2
 # ---------------------------------------------------------------------------------------------
 # Aggregates.
 
+
 def mean_sd(values: Iterable[float]) -> tuple[float, float, int]:
     """(mean, sample sd with ddof 1, n) over the finite values; NaN where undefined."""
     v = np.asarray([x for x in values if x is not None and math.isfinite(x)], np.float64)
@@ -195,8 +217,9 @@ def mean_sd(values: Iterable[float]) -> tuple[float, float, int]:
     return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else math.nan, int(v.size)
 
 
-def paired(x: Mapping[int, float], y: Mapping[int, float], *, level: float = 0.95
-           ) -> dict[str, Any]:
+def paired(
+    x: Mapping[int, float], y: Mapping[int, float], *, level: float = 0.95
+) -> dict[str, Any]:
     """Paired difference ``x − y`` over the seeds both have (finite values).
 
     Returns ``n``, ``mean``, ``sd`` (ddof 1), ``lo`` / ``hi`` (the ``level`` Student-t interval,
@@ -205,8 +228,15 @@ def paired(x: Mapping[int, float], y: Mapping[int, float], *, level: float = 0.9
     seeds = sorted(s for s in set(x) & set(y) if math.isfinite(x[s]) and math.isfinite(y[s]))
     d = np.asarray([x[s] - y[s] for s in seeds], np.float64)
     n = int(d.size)
-    out = {"n": n, "seeds": seeds, "wins": int((d > 0).sum()), "mean": math.nan, "sd": math.nan,
-           "lo": math.nan, "hi": math.nan}
+    out = {
+        "n": n,
+        "seeds": seeds,
+        "wins": int((d > 0).sum()),
+        "mean": math.nan,
+        "sd": math.nan,
+        "lo": math.nan,
+        "hi": math.nan,
+    }
     if n == 0:
         return out
     out["mean"] = float(d.mean())
@@ -233,55 +263,83 @@ def cell_summary(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per cell: n seeds, mean ± sd of best and final pass@1, collapsed count, trailing means."""
     out = []
     for (method, mode, lag, lr), group in cells(rows).items():
-        entry = {"method": method, "lag_mode": mode, "lag": lag, "lr": lr, "n": len(group),
-                 "collapsed": sum(bool(r.get("collapsed")) for r in group)}
+        entry = {
+            "method": method,
+            "lag_mode": mode,
+            "lag": lag,
+            "lr": lr,
+            "n": len(group),
+            "collapsed": sum(bool(r.get("collapsed")) for r in group),
+        }
         for key in ("base", "best", "final", *(f"{k}_t25" for k in TRAILING)):
             entry[key], entry[key + "_sd"], _ = mean_sd(r.get(key, math.nan) for r in group)
         out.append(entry)
     return out
 
 
-def by_seed(rows: Iterable[Mapping[str, Any]], method: str, lag: int, lr: float, key: str,
-            lag_mode: str | None = None) -> dict[int, float]:
-    return {int(r["seed"]): float(r[key]) for r in rows
-            if r["method"] == method and int(r["lag"]) == lag and float(r["lr"]) == lr
-            and (lag_mode is None or r["lag_mode"] == lag_mode)}
+def by_seed(
+    rows: Iterable[Mapping[str, Any]],
+    method: str,
+    lag: int,
+    lr: float,
+    key: str,
+    lag_mode: str | None = None,
+) -> dict[int, float]:
+    return {
+        int(r["seed"]): float(r[key])
+        for r in rows
+        if r["method"] == method
+        and int(r["lag"]) == lag
+        and float(r["lr"]) == lr
+        and (lag_mode is None or r["lag_mode"] == lag_mode)
+    }
 
 
-def paired_rows(rows: Sequence[Mapping[str, Any]], baseline: str,
-                keys: Sequence[str] = ("best", "final")) -> list[dict[str, Any]]:
+def paired_rows(
+    rows: Sequence[Mapping[str, Any]], baseline: str, keys: Sequence[str] = ("best", "final")
+) -> list[dict[str, Any]]:
     """Each method against ``baseline`` on the same seed, lag and learning rate."""
     out = []
-    for (method, mode, lag, lr) in cells(rows):
+    for method, mode, lag, lr in cells(rows):
         if method == baseline:
             continue
         entry = {"method": method, "lag_mode": mode, "lag": lag, "lr": lr}
         for key in keys:
-            entry[key] = paired(by_seed(rows, method, lag, lr, key, mode),
-                                by_seed(rows, baseline, lag, lr, key, mode))
+            entry[key] = paired(
+                by_seed(rows, method, lag, lr, key, mode),
+                by_seed(rows, baseline, lag, lr, key, mode),
+            )
         out.append(entry)
     return out
 
 
-def lag_rows(rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = ("best", "final")
-             ) -> list[dict[str, Any]]:
+def lag_rows(
+    rows: Sequence[Mapping[str, Any]], keys: Sequence[str] = ("best", "final")
+) -> list[dict[str, Any]]:
     """Each method at each lag against itself at the smallest lag of the grid, on the same seed
     and learning rate: does staleness hurt it?"""
     out = []
     lowest = min((int(r["lag"]) for r in rows), default=None)
-    for (method, mode, lag, lr) in cells(rows):
+    for method, mode, lag, lr in cells(rows):
         if lag == lowest:
             continue
         entry = {"method": method, "lag_mode": mode, "lag": lag, "lr": lr, "from_lag": lowest}
         for key in keys:
-            entry[key] = paired(by_seed(rows, method, lag, lr, key, mode),
-                                by_seed(rows, method, lowest, lr, key, mode))
+            entry[key] = paired(
+                by_seed(rows, method, lag, lr, key, mode),
+                by_seed(rows, method, lowest, lr, key, mode),
+            )
         out.append(entry)
     return out
 
 
-def envelope_map(rows: Sequence[Mapping[str, Any]], *, baseline: str = "grpo",
-                 sat: str = "sat_grpo", eps: float = 0.2) -> list[dict[str, Any]]:
+def envelope_map(
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    baseline: str = "grpo",
+    sat: str = "sat_grpo",
+    eps: float = 0.2,
+) -> list[dict[str, Any]]:
     """Per (lr, lag) cell: ``baseline``'s paired change of final pass@1 from lag 1 (same seed and
     lr; NaN without lag-1 runs), its trailing d̄_π, ``sat``'s trailing q and binding rate, whether
     q < log(1 + eps) (SAT's trust region can bind), and ``sat``'s paired difference to
@@ -295,22 +353,29 @@ def envelope_map(rows: Sequence[Mapping[str, Any]], *, baseline: str = "grpo",
             if not base_final and not by_seed(rows, sat, lag, lr, "final"):
                 continue
             q = mean_sd(by_seed(rows, sat, lag, lr, "q_t25").values())[0]
-            out.append({
-                "lr": lr, "lag": lag,
-                "base_drop": paired(base_final, by_seed(rows, baseline, 1, lr, "final"))
-                if lag != 1 else None,
-                "base_final": mean_sd(base_final.values())[0],
-                "mismatch": mean_sd(by_seed(rows, baseline, lag, lr, "mismatch_t25").values())[0],
-                "q": q,
-                "sat_can_act": bool(math.isfinite(q) and q < math.log1p(eps)),
-                "binding": mean_sd(by_seed(rows, sat, lag, lr, "binding_t25").values())[0],
-                "sat_diff": paired(by_seed(rows, sat, lag, lr, "final"), base_final),
-            })
+            out.append(
+                {
+                    "lr": lr,
+                    "lag": lag,
+                    "base_drop": paired(base_final, by_seed(rows, baseline, 1, lr, "final"))
+                    if lag != 1
+                    else None,
+                    "base_final": mean_sd(base_final.values())[0],
+                    "mismatch": mean_sd(by_seed(rows, baseline, lag, lr, "mismatch_t25").values())[
+                        0
+                    ],
+                    "q": q,
+                    "sat_can_act": bool(math.isfinite(q) and q < math.log1p(eps)),
+                    "binding": mean_sd(by_seed(rows, sat, lag, lr, "binding_t25").values())[0],
+                    "sat_diff": paired(by_seed(rows, sat, lag, lr, "final"), base_final),
+                }
+            )
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Formatting.
+
 
 def fmt(x: float, digits: int = 3) -> str:
     return "–" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
@@ -334,11 +399,14 @@ def fmt_paired(p: Mapping[str, Any] | None, digits: int = 3) -> str:
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub-flavoured markdown table; ``|`` inside a cell is escaped."""
+
     def cell(v):
         return str(v).replace("|", "\\|")
 
-    lines = ["| " + " | ".join(cell(h) for h in headers) + " |",
-             "|" + "|".join("---" for _ in headers) + "|"]
+    lines = [
+        "| " + " | ".join(cell(h) for h in headers) + " |",
+        "|" + "|".join("---" for _ in headers) + "|",
+    ]
     for row in rows:
         if len(row) != len(headers):
             raise ValueError(f"row has {len(row)} cells for {len(headers)} headers: {row}")
@@ -351,5 +419,13 @@ def write_csv(path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -
         w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if isinstance(r.get(k), float) and not math.isfinite(r[k])
-                            else r.get(k, "")) for k in columns})
+            w.writerow(
+                {
+                    k: (
+                        ""
+                        if isinstance(r.get(k), float) and not math.isfinite(r[k])
+                        else r.get(k, "")
+                    )
+                    for k in columns
+                }
+            )

@@ -28,24 +28,55 @@ from sat_jax.models import (  # noqa: E402
 )
 
 CFG = ModelConfig(
-    vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(1,),
-    intermediate_size=24, rope_theta=1e6,
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    mlp_only_layers=(1,),
+    intermediate_size=24,
+    rope_theta=1e6,
 )
 
 # The published config.json of Qwen3-30B-A3B(-Base) (transformers 4.51 layout).
 QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151643, "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
-    "intermediate_size": 6144, "max_position_embeddings": 32768, "max_window_layers": 48,
-    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
-    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
-    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
-    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
-    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151643,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 
@@ -77,11 +108,15 @@ def test_round_trip_is_exact_and_sharded(saved):
     shapes = hf_tensor_shapes(CFG)
     assert set(index["weight_map"]) == set(shapes)
     assert index["metadata"]["total_size"] == 4 * sum(math.prod(s) for s in shapes.values())
-    with safe_open(str(path / index["weight_map"]["model.layers.0.mlp.experts.3.down_proj.weight"]),
-                   framework="numpy") as f:
+    with safe_open(
+        str(path / index["weight_map"]["model.layers.0.mlp.experts.3.down_proj.weight"]),
+        framework="numpy",
+    ) as f:
         # Expert kernels are stored [out, in] like torch.nn.Linear: down_proj is [d, f].
-        assert tuple(f.get_slice("model.layers.0.mlp.experts.3.down_proj.weight").get_shape()) \
-            == (32, 16)
+        assert tuple(f.get_slice("model.layers.0.mlp.experts.3.down_proj.weight").get_shape()) == (
+            32,
+            16,
+        )
     config, _, loaded = load_hf(path)
     assert config == CFG
     a, b = _leaves(params), _leaves(loaded)
@@ -115,14 +150,20 @@ def test_config_round_trip_and_the_paper_model():
     assert config_to_hf(dense)["model_type"] == "qwen3"
     got = config_from_hf(QWEN3_30B_A3B, router_aux_loss_coef=0.0)
     assert (got.num_layers, got.hidden_size, got.num_heads, got.num_kv_heads, got.head_dim) == (
-        48, 2048, 32, 4, 128)
+        48,
+        2048,
+        32,
+        4,
+        128,
+    )
     assert (got.num_experts, got.num_experts_per_tok, got.moe_intermediate_size) == (128, 8, 768)
     assert got.norm_topk_prob and got.rope_theta == 1e6 and got.mlp_only_layers == ()
     assert got.router_aux_loss_coef == 0.0 and not got.tie_embeddings
     # 30.5B parameters, counted from shapes alone (nothing allocated).
     total = sum(math.prod(s) for s in hf_tensor_shapes(got).values())
-    per_layer = (2048 * 4096 * 2 + 2048 * 512 * 2 + 2 * 128 + 2 * 2048 + 2048 * 128
-                 + 128 * 3 * 2048 * 768)
+    per_layer = (
+        2048 * 4096 * 2 + 2048 * 512 * 2 + 2 * 128 + 2 * 2048 + 2048 * 128 + 128 * 3 * 2048 * 768
+    )
     assert total == 48 * per_layer + 2 * 151936 * 2048 + 2048
     # transformers-5 layout of the same fields.
     v5 = {k: v for k, v in QWEN3_30B_A3B.items() if k not in ("rope_theta", "num_experts")}
@@ -203,9 +244,18 @@ def test_wrong_shape_is_named(saved, tmp_path, name, bad, message):
 
 def test_missing_files_are_named(saved, tmp_path):
     path = _copy(saved[0], tmp_path / "c")
-    (path / "model-00002-of-{:05d}.safetensors".format(
-        len(set(json.loads((path / "model.safetensors.index.json").read_text())
-                ["weight_map"].values())))).unlink()
+    (
+        path
+        / "model-00002-of-{:05d}.safetensors".format(
+            len(
+                set(
+                    json.loads((path / "model.safetensors.index.json").read_text())[
+                        "weight_map"
+                    ].values()
+                )
+            )
+        )
+    ).unlink()
     with pytest.raises(FileNotFoundError, match="model-00002-of"):
         load_hf(path)
     (path / "config.json").unlink()

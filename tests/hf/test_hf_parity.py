@@ -26,8 +26,15 @@ from sat_jax.sampling import Sampler, SamplingParams  # noqa: E402
 
 VOCAB, B, T = 128, 2, 12
 _SMALL = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
 )
 _MOE = dict(_SMALL, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
 
@@ -36,7 +43,9 @@ CASES = {
     "moe_norm_topk_mlp_only": ("qwen3_moe", dict(_MOE, norm_topk_prob=True, mlp_only_layers=[1])),
     # full-softmax gates, every block MoE, tied embeddings.
     "moe_softmax_gates_tied": (
-        "qwen3_moe", dict(_MOE, norm_topk_prob=False, tie_word_embeddings=True)),
+        "qwen3_moe",
+        dict(_MOE, norm_topk_prob=False, tie_word_embeddings=True),
+    ),
     # decoder_sparse_step = 2: block 0 dense, block 1 MoE.
     "moe_sparse_step": ("qwen3_moe", dict(_MOE, norm_topk_prob=True, decoder_sparse_step=2)),
     "dense_qwen3": ("qwen3", dict(_SMALL)),
@@ -149,24 +158,33 @@ def test_sampler_and_r3_replay_on_loaded_model(case):
     sampler = Sampler(config, max_prompt_len=5, max_new_tokens=4, eos_id=1, pad_id=0)
 
     # Greedy decoding equals transformers' greedy generate on the same prompt.
-    greedy = sampler.generate(params, prompts[:1, :4], lengths[:1], jax.random.key(0),
-                              SamplingParams(top_k=1))
+    greedy = sampler.generate(
+        params, prompts[:1, :4], lengths[:1], jax.random.key(0), SamplingParams(top_k=1)
+    )
     with torch.no_grad():
-        ref = model.generate(torch.from_numpy(prompts[:1, :4].astype(np.int64)), max_new_tokens=4,
-                             do_sample=False, eos_token_id=1, pad_token_id=0)
+        ref = model.generate(
+            torch.from_numpy(prompts[:1, :4].astype(np.int64)),
+            max_new_tokens=4,
+            do_sample=False,
+            eos_token_id=1,
+            pad_token_id=0,
+        )
     n = int(greedy.response_lengths[0])
-    np.testing.assert_array_equal(np.asarray(greedy.response_tokens[0, :n]),
-                                  ref.numpy()[0, 4 : 4 + n])
+    np.testing.assert_array_equal(
+        np.asarray(greedy.response_tokens[0, :n]), ref.numpy()[0, 4 : 4 + n]
+    )
 
     # Sampled rollout: trainer log-probs with replayed routing equal the behavior log-probs.
     out = sampler.generate(params, prompts, lengths, jax.random.key(1), SamplingParams(1.0))
     logp, _, aux = jax.jit(
-        lambda p, t, m, r: token_logprobs(graphdef, p, t, input_mask=m,
-                                          response_start=out.prompt_width, routing=r)
+        lambda p, t, m, r: token_logprobs(
+            graphdef, p, t, input_mask=m, response_start=out.prompt_width, routing=r
+        )
     )(params, out.tokens, out.input_mask, out.routing)
     rm = np.asarray(out.response_mask)
     assert rm.sum() > 0
-    np.testing.assert_allclose(np.asarray(logp)[rm], np.asarray(out.behavior_logp)[rm],
-                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(logp)[rm], np.asarray(out.behavior_logp)[rm], atol=1e-5, rtol=0
+    )
     # Replay used exactly the recorded experts.
     np.testing.assert_array_equal(np.asarray(aux["routing"]), np.asarray(out.routing))

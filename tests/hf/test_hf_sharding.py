@@ -23,8 +23,16 @@ from sat_jax.models import (
 )
 
 CFG = ModelConfig(
-    vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
-    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(1,),
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    mlp_only_layers=(1,),
     intermediate_size=24,
 )
 FE = ("fsdp", "expert")
@@ -64,8 +72,9 @@ def test_sharded_forward_matches_unsharded(mesh):
     graphdef, params = init_model(CFG, seed=1)
     _, sharded = init_model(CFG, seed=1, mesh=mesh)
     # Same values whatever the placement; each device holds only its shard.
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-                 params, sharded)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, sharded
+    )
     experts = sharded["moe_layers"]["mlp"]["gate_proj"][...]
     assert experts.addressable_shards[0].data.shape == (2, 2, 16, 8)  # [L, E/2, d/2, f/2]
     tokens = jax.random.randint(jax.random.key(0), (4, 10), 0, CFG.vocab_size)
@@ -89,11 +98,13 @@ def test_load_hf_places_on_the_mesh(mesh, tmp_path):
     want = _specs(param_shardings(CFG, mesh))
     for path, leaf in jax.tree_util.tree_flatten_with_path(placed)[0]:
         assert leaf.sharding == want[param_path(path)], param_path(path)
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-                 placed, params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), placed, params
+    )
     tokens = jnp.arange(20, dtype=jnp.int32).reshape(2, 10)
     fwd = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t).logits)
-    np.testing.assert_allclose(np.asarray(fwd(placed, tokens)), np.asarray(fwd(params, tokens)),
-                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(fwd(placed, tokens)), np.asarray(fwd(params, tokens)), atol=1e-5, rtol=0
+    )
     with pytest.raises(ValueError, match=r"'expert' \(8\).*num_experts=4"):
         load_hf(tmp_path, mesh=parallel.make_mesh(num_data=1, expert=8))

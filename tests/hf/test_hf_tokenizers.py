@@ -34,17 +34,23 @@ def tok_dir(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=320,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
     path = tmp_path_factory.mktemp("tok")
     tok.save(str(path / "tokenizer.json"))
     # As a Qwen3 base checkpoint: EOS and PAD are <|endoftext|>; AddedToken-dict form for one.
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|endoftext|>",
-        "pad_token": {"content": "<|endoftext|>", "special": True},
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|endoftext|>",
+                "pad_token": {"content": "<|endoftext|>", "special": True},
+            }
+        )
+    )
     return path
 
 
@@ -95,7 +101,7 @@ def test_chat_template_matches_hand_written_string(tok_dir):
     ids, lengths = tok.batch_encode([expected, "What"], pad_to=64)
     assert ids.shape == (2, 64) and ids.dtype == np.int32
     assert tok.decode(ids[0, : lengths[0]], stop_at_eos=False) == expected
-    assert (ids[1, lengths[1]:] == tok.pad_id).all()
+    assert (ids[1, lengths[1] :] == tok.pad_id).all()
 
 
 def test_chat_format_errors():

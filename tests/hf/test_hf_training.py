@@ -26,17 +26,32 @@ def _checkpoint(path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    model = ModelConfig(vocab_size=320, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                        head_dim=16, num_experts=4, num_experts_per_tok=2,
-                        moe_intermediate_size=16)
+    tok.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=SPECIAL,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    model = ModelConfig(
+        vocab_size=320,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    )
     _, params = init_model(model, seed=0)
     save_hf(path, model, params)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
-                                                            "pad_token": "<|endoftext|>"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"})
+    )
 
 
 def test_hf_checkpoint_trains_through_the_learner(tmp_path):
@@ -45,10 +60,12 @@ def test_hf_checkpoint_trains_through_the_learner(tmp_path):
     _checkpoint(ckpt)
     data = tmp_path / "math.jsonl"
     rng = np.random.default_rng(0)
-    data.write_text("".join(
-        json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
-        for a, b in rng.integers(0, 50, size=(16, 2))
-    ))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
+            for a, b in rng.integers(0, 50, size=(16, 2))
+        )
+    )
     c = config_lib.get_config()
     c.workdir = str(tmp_path / "run")
     c.model.hf_path = str(ckpt)

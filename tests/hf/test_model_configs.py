@@ -34,8 +34,11 @@ def test_paper_config():
     assert c.model.hf_path.startswith("REQUIRED")  # a local path, set on the command line
     assert (c.model.dtype, c.model.param_dtype) == ("bfloat16", "float32")
     assert c.model.attention_chunk > 0 and c.loss.logprob_chunk > 0  # 34,816-token rows
-    model = config_from_hf(c.hf_config_reference.to_dict(), dtype=jnp.bfloat16,
-                           router_aux_loss_coef=c.model.router_aux_loss_coef)
+    model = config_from_hf(
+        c.hf_config_reference.to_dict(),
+        dtype=jnp.bfloat16,
+        router_aux_loss_coef=c.model.router_aux_loss_coef,
+    )
     assert model.dtype == jnp.bfloat16 and model.router_aux_loss_coef == 0.0
     assert (model.num_layers, model.num_experts, model.num_experts_per_tok) == (48, 128, 8)
     total = sum(math.prod(s) for s in hf_tensor_shapes(model).values())

@@ -47,7 +47,12 @@ def test_ppo_hand(jit):
 def test_ppo_dual_clip_hand(jit):
     r = np.array([[5.0, 2.0]], np.float32)
     out = _call(
-        losses.ppo, jit, jnp.log(r), jnp.zeros((1, 2)), jnp.array([[-1.0, -1.0]]), jnp.ones((1, 2)),
+        losses.ppo,
+        jit,
+        jnp.log(r),
+        jnp.zeros((1, 2)),
+        jnp.array([[-1.0, -1.0]]),
+        jnp.ones((1, 2)),
         dual_clip=3.0,
     )
     # A<0: S = max(min(-r, -1.2), -3): r=5 -> -3 (dual clip), r=2 -> -2.
@@ -120,8 +125,16 @@ def test_gspo_family_hand(jit):
 def test_seqclip_hand(jit):
     # Sequence 0: ρ = e^0.01 ≈ 1.01 (dropped); sequence 1: ρ = e^0.001 (kept, inside ε = 0.2).
     logp = jnp.array([[0.01, 0.01], [0.001, 0.001]])
-    out = _call(losses.seqclip, jit, logp, jnp.zeros((2, 2)), jnp.ones((2,)), jnp.ones((2, 2)),
-                eps_low=0.2, eps_high=0.2)
+    out = _call(
+        losses.seqclip,
+        jit,
+        logp,
+        jnp.zeros((2, 2)),
+        jnp.ones((2,)),
+        jnp.ones((2, 2)),
+        eps_low=0.2,
+        eps_high=0.2,
+    )
     np.testing.assert_allclose(out.loss, -2 * math.exp(0.001) / 4, rtol=1e-6)
     np.testing.assert_allclose(out.metrics["seqclip/kept_frac"], 0.5)
 
@@ -177,12 +190,22 @@ def test_corrections_hand(jit):
 
 def test_correction_composes_with_objective():
     logp = jnp.log(jnp.array([[1.0, 1.1]]))
-    out = losses.ppo(logp, jnp.zeros((1, 2)), jnp.ones((1,)), jnp.ones((1, 2)),
-                     token_weights=jnp.array([[2.0, 0.5]]))
+    out = losses.ppo(
+        logp,
+        jnp.zeros((1, 2)),
+        jnp.ones((1,)),
+        jnp.ones((1, 2)),
+        token_weights=jnp.array([[2.0, 0.5]]),
+    )
     np.testing.assert_allclose(out.loss, -(2.0 * 1.0 + 0.5 * 1.1) / 2, rtol=1e-6)
     # Weights are detached: the gradient is w·r·A/n, with no term from w.
-    g = jax.grad(lambda w: losses.ppo(logp, jnp.zeros((1, 2)), jnp.ones((1,)), jnp.ones((1, 2)),
-                                      token_weights=w).loss)(jnp.ones((1, 2)))
+    g = jax.grad(
+        lambda w: (
+            losses.ppo(
+                logp, jnp.zeros((1, 2)), jnp.ones((1,)), jnp.ones((1, 2)), token_weights=w
+            ).loss
+        )
+    )(jnp.ones((1, 2)))
     np.testing.assert_array_equal(g, 0.0)
 
 
@@ -234,8 +257,9 @@ def test_quantile_hand():
 def test_advantages_hand():
     r = jnp.array([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
     s = math.sqrt(1.0 / 3.0)  # unbiased std of [1, 0, 0, 1]
-    np.testing.assert_allclose(advantages.grpo(r)[0], np.array([0.5, -0.5, -0.5, 0.5]) / (s + 1e-6),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        advantages.grpo(r)[0], np.array([0.5, -0.5, -0.5, 0.5]) / (s + 1e-6), rtol=1e-6
+    )
     np.testing.assert_allclose(advantages.grpo(r)[1], 0.0)  # equal rewards: no signal
     np.testing.assert_allclose(advantages.dr_grpo(r)[0], [0.5, -0.5, -0.5, 0.5])
     np.testing.assert_allclose(advantages.rloo(r)[0], [1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3], 1e-6)
@@ -249,8 +273,18 @@ def test_advantages_hand():
 
 
 def test_registry():
-    assert set(losses.names()) >= {"ppo", "sat", "gspo", "gspo_token", "sat_gspo", "seqclip",
-                                   "dppo", "spo", "drpo", "grpo"}
+    assert set(losses.names()) >= {
+        "ppo",
+        "sat",
+        "gspo",
+        "gspo_token",
+        "sat_gspo",
+        "seqclip",
+        "dppo",
+        "spo",
+        "drpo",
+        "grpo",
+    }
     assert losses.names("correction") == ("icepop", "kpop", "tis")
     assert losses.get("sat_gspo") is losses.sat_gspo
     assert losses.get("tis") is losses.tis
@@ -270,8 +304,10 @@ def test_signatures_match_the_documented_api():
     import subprocess
     import sys
 
-    code = ("import sys, sat_jax.losses; bad = [m for m in ('flax', 'optax', 'orbax', "
-            "'orbax.checkpoint', 'tensorflow') if m in sys.modules]; print(bad); "
-            "sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, sat_jax.losses; bad = [m for m in ('flax', 'optax', 'orbax', "
+        "'orbax.checkpoint', 'tensorflow') if m in sys.modules]; print(bad); "
+        "sys.exit(1 if bad else 0)"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr

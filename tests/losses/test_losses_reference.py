@@ -62,10 +62,15 @@ def test_matches_numpy_reference(name, hp, aggregation):
         assert np.all(np.isfinite(got_g))
 
 
-@pytest.mark.parametrize("aggregation", [
-    "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-sum-norm-active",
-    "seq-sum-token-sum-norm",
-])
+@pytest.mark.parametrize(
+    "aggregation",
+    [
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+        "seq-mean-token-sum-norm-active",
+        "seq-sum-token-sum-norm",
+    ],
+)
 def test_other_aggregations_match_reference(aggregation):
     logp, beh, adv, mask = _inputs(2, False)
     clean = np.where(mask, logp, 0.0)

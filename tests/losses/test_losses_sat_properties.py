@@ -65,8 +65,9 @@ def test_proposition_4_1(d, adv, mask, el, eh, alpha):
     # outward band (Eq. 21), where SAT's is zero and PPO's is the outward -r·A/n.
     band = ((adv > 0) & (r > hi_sat) & (r < 1 + eh)) | ((adv < 0) & (r > 1 - el) & (r < lo_sat))
     band &= mask
-    kinks = np.stack([lo_sat, hi_sat, np.broadcast_to(1 - el, r.shape), np.broadcast_to(1 + eh,
-                                                                                        r.shape)])
+    kinks = np.stack(
+        [lo_sat, hi_sat, np.broadcast_to(1 - el, r.shape), np.broadcast_to(1 + eh, r.shape)]
+    )
     safe = mask & np.all(np.abs(r[None] - kinks) > 1e-5, axis=0)
     n = max(mask.sum(), 1)
     np.testing.assert_array_equal(np.asarray(g_sat)[band & safe], 0.0)

@@ -112,10 +112,14 @@ def test_pmap_equals_unsharded(name, hp, batch):
 def test_mismatch_metrics_sharded(mesh, batch):
     logp, beh, _, mask = batch
     want = losses.mismatch_metrics(logp, beh, mask)
-    f = jax.jit(jax.shard_map(
-        functools.partial(losses.mismatch_metrics, axis_name="data"),
-        mesh=mesh, in_specs=(P("data"),) * 3, out_specs=P(),
-    ))
+    f = jax.jit(
+        jax.shard_map(
+            functools.partial(losses.mismatch_metrics, axis_name="data"),
+            mesh=mesh,
+            in_specs=(P("data"),) * 3,
+            out_specs=P(),
+        )
+    )
     got = f(*_put(mesh, logp, beh, mask))
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
@@ -130,10 +134,14 @@ def test_quantile_sharded_is_exact(method, mesh):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((NDEV * 37,)).astype(np.float32)
     mask = rng.random(x.shape) < np.repeat(np.linspace(0, 1, NDEV), 37)  # uneven per device
-    f = jax.jit(jax.shard_map(
-        lambda a, m: losses.quantile(a, m, 0.9, axis_name="data", method=method),
-        mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P(),
-    ))
+    f = jax.jit(
+        jax.shard_map(
+            lambda a, m: losses.quantile(a, m, 0.9, axis_name="data", method=method),
+            mesh=mesh,
+            in_specs=(P("data"), P("data")),
+            out_specs=P(),
+        )
+    )
     got = f(*_put(mesh, x, mask))
     assert float(got) == float(losses.quantile(x, mask, 0.9, method=method))
 
@@ -151,15 +159,20 @@ def test_parameter_gradients_shard_map_and_pmap(mesh, batch):
         return out.loss
 
     want = jax.grad(loss)(w, feats, beh, adv, mask)
-    sm = jax.jit(jax.shard_map(
-        lambda w, *a: jax.grad(loss)(w, *a, axis_name="data"),
-        mesh=mesh, in_specs=(P(),) + (P("data"),) * 4, out_specs=P(),
-    ))
+    sm = jax.jit(
+        jax.shard_map(
+            lambda w, *a: jax.grad(loss)(w, *a, axis_name="data"),
+            mesh=mesh,
+            in_specs=(P(),) + (P("data"),) * 4,
+            out_specs=P(),
+        )
+    )
     np.testing.assert_allclose(sm(w, *_put(mesh, feats, beh, adv, mask)), want, rtol=1e-5)
     split = [a.reshape(NDEV, B // NDEV, *a.shape[1:]) for a in (feats, beh, adv, mask)]
     pm = jax.pmap(
         lambda w, *a: jax.lax.pmean(jax.grad(loss)(w, *a, axis_name="data"), "data"),
-        axis_name="data", in_axes=(None, 0, 0, 0, 0),
+        axis_name="data",
+        in_axes=(None, 0, 0, 0, 0),
     )
     np.testing.assert_allclose(pm(w, *split)[0], want, rtol=1e-5)
 

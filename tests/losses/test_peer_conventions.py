@@ -232,19 +232,22 @@ EQUIVALENT = [  # (ours, peer, peer's mode, peer kwargs, batch has an empty row)
 
 @pytest.mark.parametrize("per_token_adv", [False, True], ids=["seq-adv", "token-adv"])
 @pytest.mark.parametrize(
-    "mode,peer,peer_mode,peer_kw,empty_row", EQUIVALENT,
+    "mode,peer,peer_mode,peer_kw,empty_row",
+    EQUIVALENT,
     ids=[f"{e[0]}={e[1]}:{e[2]}" for e in EQUIVALENT],
 )
 def test_aggregation_equals_peer_mode(mode, peer, peer_mode, peer_kw, empty_row, per_token_adv):
     """PPO/GRPO values and gradients: verl's vanilla has the dual clip on (c = 3), tunix's off."""
     logp, beh, adv, mask = _batch(0, per_token_adv, empty_row=empty_row)
     c = 3.0 if peer.startswith("verl") else None
-    got = ours(losses.ppo, logp, beh, adv, mask, eps_low=0.2, eps_high=0.28, dual_clip=c,
-               aggregation=mode)
+    got = ours(
+        losses.ppo, logp, beh, adv, mask, eps_low=0.2, eps_high=0.28, dual_clip=c, aggregation=mode
+    )
     want = peer_value_and_grad(
         lambda x, fr: peer_ppo(x, fr, beh, adv, mask, 0.2, 0.28, c),
         lambda x, m: AGG[peer](x, m, peer_mode, **peer_kw),
-        _clean(logp, mask), mask,
+        _clean(logp, mask),
+        mask,
     )
     _close(got, want)
 
@@ -271,10 +274,12 @@ def test_dr_grpo_stated_differences():
     s = peer_ppo(_clean(logp, mask), None, beh, adv, mask, 0.2, 0.2, None)
     ours_v = float(losses.aggregate(s, mask, "seq-mean-token-sum-norm"))
     rows = (mask.sum(1) > 0).sum()
-    np.testing.assert_allclose(ours_v, verl_agg_late(s, mask, "seq-mean-token-sum-norm") * rows / B,
-                               rtol=1e-6)
-    np.testing.assert_allclose(ours_v * T, tunix_agg(s, mask, "sequence-mean-token-sum-norm"),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        ours_v, verl_agg_late(s, mask, "seq-mean-token-sum-norm") * rows / B, rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        ours_v * T, tunix_agg(s, mask, "sequence-mean-token-sum-norm"), rtol=1e-6
+    )
     assert rows < B  # the difference is real on this batch
 
 
@@ -296,22 +301,35 @@ def _extreme_gspo_batch(per_token_adv):
 
 
 @pytest.mark.parametrize("per_token_adv", [False, True], ids=["seq-adv", "token-adv"])
-@pytest.mark.parametrize("mode,peer_mode", [
-    ("token-mean", "token-mean"),
-    ("seq-mean-token-mean", "sequence-mean-token-mean"),
-    ("seq-mean-token-sum-norm-active", "sequence-mean-token-scale"),
-])
+@pytest.mark.parametrize(
+    "mode,peer_mode",
+    [
+        ("token-mean", "token-mean"),
+        ("seq-mean-token-mean", "sequence-mean-token-mean"),
+        ("seq-mean-token-sum-norm-active", "sequence-mean-token-scale"),
+    ],
+)
 def test_gspo_token_cap_equals_tunix(mode, peer_mode, per_token_adv):
     logp, beh, adv, mask = _extreme_gspo_batch(per_token_adv)
-    got = ours(losses.gspo_token, logp, beh, adv, mask, eps_low=0.2, eps_high=0.2,
-               aggregation=mode)
+    got = ours(losses.gspo_token, logp, beh, adv, mask, eps_low=0.2, eps_high=0.2, aggregation=mode)
     want = peer_value_and_grad(
         lambda x, fr: tunix_gspo_token(x, fr, beh, adv, mask, 0.2, 0.2),
-        lambda x, m: tunix_agg(x, m, peer_mode), _clean(logp, mask), mask,
+        lambda x, m: tunix_agg(x, m, peer_mode),
+        _clean(logp, mask),
+        mask,
     )
     _close(got, want)
-    uncapped = ours(losses.gspo_token, logp, beh, adv, mask, eps_low=0.2, eps_high=0.2,
-                    aggregation=mode, seq_log_ratio_cap=None)[0]
+    uncapped = ours(
+        losses.gspo_token,
+        logp,
+        beh,
+        adv,
+        mask,
+        eps_low=0.2,
+        eps_high=0.2,
+        aggregation=mode,
+        seq_log_ratio_cap=None,
+    )[0]
     assert abs(uncapped) > 2 * abs(got[0])  # the cap binds on this batch
 
 
@@ -322,12 +340,15 @@ def test_gspo_cap_equals_verl(per_token_adv):
     logp, beh, adv, mask = _extreme_gspo_batch(per_token_adv)
     want = peer_value_and_grad(
         lambda x, fr: verl_gspo(x, fr, beh, adv, mask, 0.2, 0.2),
-        lambda x, m: verl_agg_late(x, m, "seq-mean-token-mean"), _clean(logp, mask), mask,
+        lambda x, m: verl_agg_late(x, m, "seq-mean-token-mean"),
+        _clean(logp, mask),
+        mask,
     )
     fns = [losses.gspo_token] + ([] if per_token_adv else [losses.gspo])
     for fn in fns:
-        got = ours(fn, logp, beh, adv, mask, eps_low=0.2, eps_high=0.2,
-                   aggregation="seq-mean-token-mean")
+        got = ours(
+            fn, logp, beh, adv, mask, eps_low=0.2, eps_high=0.2, aggregation="seq-mean-token-mean"
+        )
         _close(got, want)
 
 
@@ -338,12 +359,22 @@ def test_verl_averages_unclamped_tokens():
     logp, adv = logp.copy(), adv.copy()
     logp[0, 0], adv[0] = beh[0, 0] - 50.0, 1.0  # A > 0 and ρ < 1 − ε: the unclipped branch
     clean = _clean(logp, mask)
-    tunix_v = tunix_agg(tunix_gspo_token(clean, clean, beh, adv, mask, 0.2, 0.2), mask,
-                        "sequence-mean-token-mean")
-    verl_v = verl_agg_late(verl_gspo(clean, clean, beh, adv, mask, 0.2, 0.2), mask,
-                           "seq-mean-token-mean")
-    got = ours(losses.gspo_token, logp, beh, adv, mask, eps_low=0.2, eps_high=0.2,
-               aggregation="seq-mean-token-mean")[0]
+    tunix_v = tunix_agg(
+        tunix_gspo_token(clean, clean, beh, adv, mask, 0.2, 0.2), mask, "sequence-mean-token-mean"
+    )
+    verl_v = verl_agg_late(
+        verl_gspo(clean, clean, beh, adv, mask, 0.2, 0.2), mask, "seq-mean-token-mean"
+    )
+    got = ours(
+        losses.gspo_token,
+        logp,
+        beh,
+        adv,
+        mask,
+        eps_low=0.2,
+        eps_high=0.2,
+        aggregation="seq-mean-token-mean",
+    )[0]
     np.testing.assert_allclose(got, tunix_v, rtol=1e-5)
     assert abs(tunix_v - verl_v) > 1e-4
 
@@ -356,16 +387,19 @@ def test_issue_one_token_row_hand():
     for fn in (losses.gspo, losses.gspo_token, losses.seqclip, losses.sat_gspo):
         kw = {"low": 0.0 + 1e-9, "high": 1e9} if fn is losses.seqclip else {}
         capped = fn(logp, beh, adv, mask, eps_low=0.2, eps_high=0.2, **kw)
-        uncapped = fn(logp, beh, adv, mask, eps_low=0.2, eps_high=0.2, seq_log_ratio_cap=None,
-                      **kw)
+        uncapped = fn(logp, beh, adv, mask, eps_low=0.2, eps_high=0.2, seq_log_ratio_cap=None, **kw)
         np.testing.assert_allclose(capped.loss, math.exp(10.0), rtol=1e-6)
         np.testing.assert_allclose(uncapped.loss, math.exp(12.0), rtol=1e-6)
-        grad = jax.grad(lambda x, f=fn, k=kw: f(x, beh, adv, mask, eps_low=0.2, eps_high=0.2,
-                                                **k).loss)(jnp.asarray(logp))
+        grad = jax.grad(
+            lambda x, f=fn, k=kw: f(x, beh, adv, mask, eps_low=0.2, eps_high=0.2, **k).loss
+        )(jnp.asarray(logp))
         assert float(grad[0, 0]) == 0.0  # above the cap: no gradient, as in the peers
     clean = np.array([[12.0]])
-    want = verl_agg_late(verl_gspo(clean, clean, beh, adv, mask.astype(bool), 0.2, 0.2),
-                         mask.astype(bool), "seq-mean-token-mean")
+    want = verl_agg_late(
+        verl_gspo(clean, clean, beh, adv, mask.astype(bool), 0.2, 0.2),
+        mask.astype(bool),
+        "seq-mean-token-mean",
+    )
     np.testing.assert_allclose(want, math.exp(10.0), rtol=1e-7)  # verl's token mean has n + 1e-8
 
 
@@ -375,17 +409,21 @@ def test_gspo_family_finite_and_bounded_on_extreme_rows(name):
     gradient in every aggregation, and |loss| ≤ e^cap·max|A| in the averaging modes."""
     fn = losses.get(name)
     beh = np.full((4, 5), -1.0, np.float32)
-    logp = beh + np.array([
-        [1e4, -1e4, 30.0, -30.0, 0.0],
-        [12.0, 0.0, 0.0, 0.0, 0.0],
-        [25.0, 25.0, 25.0, 25.0, 25.0],
-        [0.0, 0.0, 0.0, 0.0, 0.0],
-    ], np.float32)
+    logp = beh + np.array(
+        [
+            [1e4, -1e4, 30.0, -30.0, 0.0],
+            [12.0, 0.0, 0.0, 0.0, 0.0],
+            [25.0, 25.0, 25.0, 25.0, 25.0],
+            [0.0, 0.0, 0.0, 0.0, 0.0],
+        ],
+        np.float32,
+    )
     logp[3, 1] = -np.inf  # a sampled token the trainer gives probability 0
     mask = np.array([[1] * 5, [1, 0, 0, 0, 0], [1] * 5, [1, 1, 0, 0, 0]], bool)
     adv = np.array([-2.0, -1.0, -3.0, 1.5], np.float32)
     kw = {"low": 1e-12, "high": 1e12} if name == "seqclip" else {}
     for mode in losses.AGGREGATIONS:
+
         def f(x, m=mode):
             out = fn(x, beh, adv, mask, eps_low=0.2, eps_high=0.2, aggregation=m, **kw)
             return out.loss, out.metrics
@@ -393,8 +431,12 @@ def test_gspo_family_finite_and_bounded_on_extreme_rows(name):
         (value, metrics), grad = jax.value_and_grad(f, has_aux=True)(logp)
         assert np.isfinite(value) and np.all(np.isfinite(grad)), (name, mode)
         assert all(np.isfinite(v) for v in metrics.values()), (name, mode)
-        if mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm",
-                    "seq-mean-token-sum-norm-active"):
+        if mode in (
+            "token-mean",
+            "seq-mean-token-mean",
+            "seq-mean-token-sum-norm",
+            "seq-mean-token-sum-norm-active",
+        ):
             assert abs(float(value)) <= math.exp(CAP) * 3.0 * (1 + 1e-6), (name, mode)
 
 
@@ -437,21 +479,33 @@ def _dppo_batch(per_token_adv):
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_dppo_verl_variant_has_verls_gradient(divergence, delta, mode, per_token_adv):
     logp, beh, adv, mask = _dppo_batch(per_token_adv)
-    got = ours(losses.dppo, logp, beh, adv, mask, delta=delta, divergence=divergence,
-               variant="verl", aggregation=mode)
+    got = ours(
+        losses.dppo,
+        logp,
+        beh,
+        adv,
+        mask,
+        delta=delta,
+        divergence=divergence,
+        variant="verl",
+        aggregation=mode,
+    )
     peer_mode = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean"}[mode]
     clean = _clean(logp, mask)
     _, want_g = peer_value_and_grad(
         lambda x, fr: verl_dppo(x, fr, beh, adv, mask, delta, divergence),
-        lambda x, m: verl_agg_late(x, m, peer_mode), clean, mask,
+        lambda x, m: verl_agg_late(x, m, peer_mode),
+        clean,
+        mask,
     )
     np.testing.assert_allclose(got[1], want_g, rtol=1e-4, atol=1e-6)
     # Value: keep·min(r, 20)·A aggregated (verl reports −A·w·log π: same gradient, other value).
     keep = verl_dppo(np.ones_like(clean), clean, beh, adv, mask, delta, divergence) != 0
     w = np.minimum(np.exp(clean - beh), 20.0)
     a2 = _adv2d(adv, clean.shape)
-    np.testing.assert_allclose(got[0], -verl_agg_late(np.where(keep, w * a2, 0.0), mask, mode),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        got[0], -verl_agg_late(np.where(keep, w * a2, 0.0), mask, mode), rtol=1e-5, atol=1e-6
+    )
     assert ((np.exp(clean - beh) > 20.0) & keep & mask).any() and not keep[mask].all()
 
 
@@ -460,14 +514,17 @@ def test_dppo_variants_differ_exactly_where_the_clip_binds():
     logp = np.log(np.array([[0.6, 0.3]], np.float32))
     beh = np.log(np.array([[0.45, 0.3]], np.float32))  # token 0: r = 4/3 > 1.2, |π − μ| = 0.15
     adv, mask = np.array([1.0], np.float32), np.ones((1, 2), bool)
-    g = {v: jax.grad(lambda x, v=v: losses.dppo(x, beh, adv, mask, delta=0.2, variant=v).loss)(
-        logp) for v in ("paper", "verl")}
+    g = {
+        v: jax.grad(lambda x, v=v: losses.dppo(x, beh, adv, mask, delta=0.2, variant=v).loss)(logp)
+        for v in ("paper", "verl")
+    }
     np.testing.assert_allclose(g["paper"], [[0.0, -0.5]], atol=1e-7)  # −r·A/2 on token 1 only
     np.testing.assert_allclose(g["verl"], [[-(0.6 / 0.45) / 2, -0.5]], rtol=1e-5)
     # With δ below |π − μ| the token is masked in both, and both gradients vanish on it.
     for v in ("paper", "verl"):
         gm = jax.grad(lambda x, v=v: losses.dppo(x, beh, adv, mask, delta=0.1, variant=v).loss)(
-            logp)
+            logp
+        )
         assert float(gm[0, 0]) == 0.0
 
 
@@ -488,10 +545,14 @@ def _engine_batch():
 
 def test_tis_and_icepop_weights_equal_verl_rollout_is():
     old, beh, mask = _engine_batch()
-    np.testing.assert_allclose(losses.tis(old, beh, mask, 2.0),
-                               verl_is_weights(old, beh, mask, 2.0), rtol=1e-6)
-    np.testing.assert_allclose(losses.icepop(old, beh, mask, 0.5, 5.0),
-                               verl_is_weights(old, beh, mask, (0.5, 5.0)), rtol=1e-6)
+    np.testing.assert_allclose(
+        losses.tis(old, beh, mask, 2.0), verl_is_weights(old, beh, mask, 2.0), rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        losses.icepop(old, beh, mask, 0.5, 5.0),
+        verl_is_weights(old, beh, mask, (0.5, 5.0)),
+        rtol=1e-6,
+    )
 
 
 @pytest.mark.parametrize("low,high", [(0.5, 5.0), (0.8, 1.25), (0.25, 2.0)])
@@ -515,9 +576,12 @@ def test_verl_rejection_leaves_the_denominator_icepop_weights_do_not():
     keep = verl_rs_token_k1(old, beh, mask, 0.2, 2.0)
     binary = np.asarray(losses.icepop(old, beh, mask, 0.5, 5.0, binary=True))
     rs = ours(losses.ppo, logp, beh, adv, mask & (binary > 0), aggregation="token-mean")
-    want = peer_value_and_grad(lambda x, fr: peer_ppo(x, fr, beh, adv, keep, 0.2, 0.2, None),
-                               lambda x, m: verl_agg_late(x, m, "token-mean"),
-                               _clean(logp, keep), keep)
+    want = peer_value_and_grad(
+        lambda x, fr: peer_ppo(x, fr, beh, adv, keep, 0.2, 0.2, None),
+        lambda x, m: verl_agg_late(x, m, "token-mean"),
+        _clean(logp, keep),
+        keep,
+    )
     _close(rs, want)
     weighted = ours(losses.ppo, logp, beh, adv, mask, token_weights=binary)
     np.testing.assert_allclose(weighted[0] * mask.sum(), rs[0] * keep.sum(), rtol=1e-5)
@@ -575,10 +639,14 @@ def test_shard_map_equals_unsharded(name, hp):
         return v, met, g
 
     want = jax.jit(body)(logp, beh, adv, mask)
-    sharded = jax.jit(jax.shard_map(
-        lambda *a: body(*a, axis_name="data"), mesh=mesh, in_specs=(P("data"),) * 4,
-        out_specs=(P(), P(), P("data")),
-    ))
+    sharded = jax.jit(
+        jax.shard_map(
+            lambda *a: body(*a, axis_name="data"),
+            mesh=mesh,
+            in_specs=(P("data"),) * 4,
+            out_specs=(P(), P(), P("data")),
+        )
+    )
     sharding = jax.sharding.NamedSharding(mesh, P("data"))
     got = sharded(*(jax.device_put(x, sharding) for x in (logp, beh, adv, mask)))
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-7)

@@ -55,8 +55,9 @@ def test_zero_queries_average_the_visible_values_by_hand(chunk):
 @pytest.mark.parametrize("chunk", [0, 1, 3, 4, T, 10])
 def test_equals_plain_autodiff(inputs, chunk):
     q, k, v, allowed, ct = inputs
-    np.testing.assert_allclose(attend(q, k, v, allowed, chunk=chunk), _plain(q, k, v, allowed),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        attend(q, k, v, allowed, chunk=chunk), _plain(q, k, v, allowed), rtol=1e-5, atol=1e-6
+    )
 
     def grads(f):
         return jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * ct), argnums=(0, 1, 2))(q, k, v)
@@ -69,20 +70,22 @@ def test_equals_plain_autodiff(inputs, chunk):
 
 @pytest.mark.parametrize("chunk", [0, 3])
 def test_bfloat16_close_to_plain(inputs, chunk):
-    q, k, v, allowed, ct = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x
-                            for x in inputs)
+    q, k, v, allowed, ct = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x for x in inputs)
     out = attend(q, k, v, allowed, chunk=chunk)
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(out, np.float32),
-                               np.asarray(_plain(q, k, v, allowed), np.float32), atol=2e-2)
-    dq, dk, dv = jax.grad(lambda q, k, v: jnp.sum(
-        (attend(q, k, v, allowed, chunk=chunk) * ct).astype(jnp.float32)), (0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(_plain(q, k, v, allowed), np.float32), atol=2e-2
+    )
+    dq, dk, dv = jax.grad(
+        lambda q, k, v: jnp.sum((attend(q, k, v, allowed, chunk=chunk) * ct).astype(jnp.float32)),
+        (0, 1, 2),
+    )(q, k, v)
     assert dq.dtype == dk.dtype == dv.dtype == jnp.bfloat16
-    wq, wk, wv = jax.grad(lambda q, k, v: jnp.sum(
-        (_plain(q, k, v, allowed) * ct).astype(jnp.float32)), (0, 1, 2))(q, k, v)
+    wq, wk, wv = jax.grad(
+        lambda q, k, v: jnp.sum((_plain(q, k, v, allowed) * ct).astype(jnp.float32)), (0, 1, 2)
+    )(q, k, v)
     for a, b in ((dq, wq), (dk, wk), (dv, wv)):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   atol=6e-2)
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=6e-2)
 
 
 def test_backward_keeps_no_score_sized_array(inputs):
@@ -126,13 +129,13 @@ def test_model_with_chunked_attention_equals_whole():
         def loss(p):
             logp, _, _ = token_logprobs(g, p, tokens, input_mask=mask, response_start=5)
             return jnp.sum(logp), logp
+
         return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
     (_, want), want_g = run(graphdef)
     (_, got), got_g = run(chunked_def)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 got_g, want_g)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_g, want_g)
 
 
 def test_bad_input_is_named():

@@ -56,7 +56,8 @@ def test_replay_gates_hand_example():
     # Eq. 40: softmax of z restricted to I = {1, 3}.
     e2, e3 = math.exp(2.0), math.exp(3.0)
     np.testing.assert_allclose(
-        routing_gates(z, idx, norm_topk_prob=True), [0, e2 / (e2 + e3), 0, e3 / (e2 + e3)],
+        routing_gates(z, idx, norm_topk_prob=True),
+        [0, e2 / (e2 + e3), 0, e3 / (e2 + e3)],
         rtol=1e-6,
     )
     # Without renormalisation (Qwen3 norm_topk_prob=False): full-softmax probabilities on I.

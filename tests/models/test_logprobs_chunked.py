@@ -80,9 +80,7 @@ def test_core_equals_full_values_and_gradients(core_inputs, replay):
     hidden, w, targets, cutoffs = core_inputs
     cutoffs = cutoffs if replay else None
     ref = full_logprobs(hidden, w, targets, cutoffs, TEMP)
-    ref_grads = jax.grad(weighted(full_logprobs), argnums=(0, 1))(
-        hidden, w, targets, cutoffs, TEMP
-    )
+    ref_grads = jax.grad(weighted(full_logprobs), argnums=(0, 1))(hidden, w, targets, cutoffs, TEMP)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in ref_grads)
     for chunk in (1, 4, 32):  # 4 does not divide n = 9; 32 ≥ n is one chunk
 
@@ -134,8 +132,13 @@ def test_return_hidden_and_head_weight_give_the_logits(lm):
     np.testing.assert_array_equal(tied.lm_head_weight(), params["embed_tokens"][...].T)
     # The hidden states come in the compute dtype.
     bf16 = jax.eval_shape(
-        lambda p: nnx.merge(graphdef_for(cfg.replace(dtype=jnp.bfloat16)), p)(
-            tokens, return_hidden=True).hidden, params)
+        lambda p: (
+            nnx.merge(graphdef_for(cfg.replace(dtype=jnp.bfloat16)), p)(
+                tokens, return_hidden=True
+            ).hidden
+        ),
+        params,
+    )
     assert bf16.dtype == jnp.bfloat16 and bf16.shape == (2, 12, cfg.hidden_size)
 
 
@@ -143,14 +146,23 @@ def test_token_logprobs_chunked_equals_full_in_params_gradient(lm):
     cfg, graphdef, params, tokens, mask = lm
     s = 3
     n = tokens.shape[1] - s
-    logits = nnx.merge(graphdef, params)(tokens[:, :-1], input_mask=mask[:, :-1],
-                                         logits_from=s - 1).logits
+    logits = nnx.merge(graphdef, params)(
+        tokens[:, :-1], input_mask=mask[:, :-1], logits_from=s - 1
+    ).logits
     cutoffs = support_cutoff(scale_logits(logits, TEMP), top_p=0.8)
     assert bool(jnp.all(jnp.isfinite(cutoffs)))
 
     def loss(p, chunk_size):
-        logp, ent, _ = token_logprobs(graphdef, p, tokens, input_mask=mask, response_start=s,
-                                      cutoffs=cutoffs, temperature=TEMP, chunk_size=chunk_size)
+        logp, ent, _ = token_logprobs(
+            graphdef,
+            p,
+            tokens,
+            input_mask=mask,
+            response_start=s,
+            cutoffs=cutoffs,
+            temperature=TEMP,
+            chunk_size=chunk_size,
+        )
         a = jnp.linspace(0.5, 1.5, logp.size).reshape(logp.shape)
         return jnp.sum(a * logp) + 0.3 * jnp.sum(ent), (logp, ent)
 
@@ -196,8 +208,9 @@ def test_compiled_temp_memory_is_per_chunk_not_per_sequence():
     logits_bytes = b * n * v * 4  # one [B, n, V] float32: 256 MiB
     chunk_bytes = b * chunk * v * 4  # one [B, chunk, V] float32: 8 MiB
     full = temp_bytes(lambda h, w, y, c: full_logprobs(h, w, y, c, TEMP))
-    chunked = temp_bytes(lambda h, w, y, c: chunked_logprobs(h, w, y, cutoffs=c,
-                                                             temperature=TEMP, chunk_size=chunk))
+    chunked = temp_bytes(
+        lambda h, w, y, c: chunked_logprobs(h, w, y, cutoffs=c, temperature=TEMP, chunk_size=chunk)
+    )
     assert full >= logits_bytes
     # A few [B, chunk, V] buffers plus ∂W [d, V] (8 MiB), against several [B, n, V] for the full.
     assert chunked < 6 * chunk_bytes + 2 * d * v * 4, (chunked, full)
@@ -235,8 +248,9 @@ def test_vmaps_over_a_leading_run_axis(core_inputs):
     ws = jnp.stack([w, 2.0 * w])
 
     def one(w_):
-        return chunked_logprobs(hidden, w_, targets, cutoffs=cutoffs, temperature=TEMP,
-                                chunk_size=4)
+        return chunked_logprobs(
+            hidden, w_, targets, cutoffs=cutoffs, temperature=TEMP, chunk_size=4
+        )
 
     got = jax.vmap(one)(ws)
     for i in range(2):

@@ -86,8 +86,13 @@ def _assert_same(got, want, tol=1e-5):
     got, want = jax.tree.leaves(got), jax.tree.leaves(want)
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   rtol=tol, atol=tol, err_msg=f"leaf {i}")
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32),
+            np.asarray(b, np.float32),
+            rtol=tol,
+            atol=tol,
+            err_msg=f"leaf {i}",
+        )
 
 
 @pytest.mark.parametrize("case", ["topk", "distinct_random", "one_expert", "some_empty", "k1"])
@@ -138,8 +143,9 @@ def test_blocked_backward_keeps_only_gate_and_up_activations():
     idx, w = _routing("topk", key)
     block = 4
     nb = moe._num_blocks(N * K, E, block)
-    _, vjp = jax.vjp(lambda *a: expert_ffn(*a, impl="blocked", block_size=block),
-                     x, idx, w, gp, up, dp)
+    _, vjp = jax.vjp(
+        lambda *a: expert_ffn(*a, impl="blocked", block_size=block), x, idx, w, gp, up, dp
+    )
     floats = [a for a in jax.tree.leaves(vjp) if jnp.issubdtype(a.dtype, jnp.floating)]
     inputs = {a.shape for a in (x, w, gp, up, dp)}
     extra = sorted(a.shape for a in floats if a.shape not in inputs)
@@ -153,8 +159,9 @@ def test_bfloat16_close_to_dense():
     for impl in ("ragged", "blocked"):
         y = expert_ffn(x, idx, w, gp, up, dp, impl=impl)
         assert y.dtype == jnp.bfloat16
-        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32),
-                                   rtol=3e-2, atol=3e-2)
+        np.testing.assert_allclose(
+            np.asarray(y, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2
+        )
 
 
 def test_blocked_inside_remat_and_scan():
@@ -285,5 +292,6 @@ def test_blocked_in_groups_under_expert_parallel_with_token_axes(monkeypatch):
     gp_s, up_s, dp_s = (put(a, NamedSharding(mesh, P("expert"))) for a in (gp, up, dp))
     x_s = put(x, NamedSharding(mesh, P("data")))
     got = _value_and_grads("blocked", idx, mesh=mesh, token_axes=("data",), block_size=2)(
-        x_s, w, gp_s, up_s, dp_s)
+        x_s, w, gp_s, up_s, dp_s
+    )
     _assert_same(got, want)

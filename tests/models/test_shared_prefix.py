@@ -69,8 +69,12 @@ def test_forward_equals_plain_layout(model):
     np.testing.assert_allclose(replay.logits, fresh.logits, rtol=1e-5, atol=1e-5)
     # Attention in chunks of 2 queries (the 5 prefix and 3 own positions both padded).
     chunked = nnx.merge(graphdef_for(cfg.replace(attention_chunk=2)), params)
-    np.testing.assert_allclose(chunked(tokens, input_mask=mask, shared_prefix=(G, P)).logits,
-                               fresh.logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        chunked(tokens, input_mask=mask, shared_prefix=(G, P)).logits,
+        fresh.logits,
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("chunk_size", [None, 2])
@@ -85,9 +89,17 @@ def test_token_logprobs_values_and_gradients(model, chunk_size):
     cutoffs = 0.5 * (logits[..., -20] + logits[..., -21])
 
     def loss(p, shared_prefix):
-        logp, ent, _ = token_logprobs(graphdef, p, tokens, input_mask=mask, response_start=P,
-                                      routing=routing, cutoffs=cutoffs, chunk_size=chunk_size,
-                                      shared_prefix=shared_prefix)
+        logp, ent, _ = token_logprobs(
+            graphdef,
+            p,
+            tokens,
+            input_mask=mask,
+            response_start=P,
+            routing=routing,
+            cutoffs=cutoffs,
+            chunk_size=chunk_size,
+            shared_prefix=shared_prefix,
+        )
         w = mask[:, P:]
         return jnp.sum(jnp.where(w, logp, 0.0)) + 0.1 * jnp.sum(jnp.where(w, ent, 0.0)), logp
 
@@ -106,8 +118,13 @@ def test_bad_shared_prefix(model):
     cfg, graphdef, params = model
     tokens, mask = _grouped_batch(cfg)
     m = nnx.merge(graphdef, params)
-    for bad, match in [((3, P), "divisor of the batch"), ((G, T + 1), r"prefix_len must lie"),
-                       ([G, P], "tuple"), ((G, 2.0), "tuple"), ((0, P), "divisor")]:
+    for bad, match in [
+        ((3, P), "divisor of the batch"),
+        ((G, T + 1), r"prefix_len must lie"),
+        ([G, P], "tuple"),
+        ((G, 2.0), "tuple"),
+        ((0, P), "divisor"),
+    ]:
         with pytest.raises(ValueError, match=match):
             m(tokens, input_mask=mask, shared_prefix=bad)
     # (1, P) and (G, 0) share nothing: the plain path.
@@ -119,10 +136,17 @@ def test_bad_shared_prefix(model):
 def _batch(tokens, mask, routing):
     n = tokens.shape[1] - P
     z = np.zeros((tokens.shape[0], n), np.float32)
-    return RolloutBatch(tokens=np.asarray(tokens), input_mask=np.asarray(mask),
-                        response_mask=np.asarray(mask)[:, P:], behavior_logp=z, cutoffs=z,
-                        routing=np.asarray(routing), versions=z.astype(np.int32),
-                        advantages=z[:, 0], rewards=z[:, 0])
+    return RolloutBatch(
+        tokens=np.asarray(tokens),
+        input_mask=np.asarray(mask),
+        response_mask=np.asarray(mask)[:, P:],
+        behavior_logp=z,
+        cutoffs=z,
+        routing=np.asarray(routing),
+        versions=z.astype(np.int32),
+        advantages=z[:, 0],
+        rewards=z[:, 0],
+    )
 
 
 def test_batch_shares_prompt(model):

@@ -11,15 +11,25 @@ from flax import nnx
 from sat_jax.models import ModelConfig, abstract_params, graphdef_for, init_model, token_logprobs
 from sat_jax.models.moe import expert_ffn
 
-SMALL = dict(vocab_size=32, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
-             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, intermediate_size=16)
+SMALL = dict(
+    vocab_size=32,
+    hidden_size=16,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=8,
+    intermediate_size=16,
+)
 
 
 def _jaxpr_dots(config) -> int:
     graphdef = graphdef_for(config)
     tokens = jax.ShapeDtypeStruct((2, 5), jnp.int32)
     jaxpr = jax.make_jaxpr(lambda p, t: nnx.merge(graphdef, p)(t).logits)(
-        abstract_params(config), tokens)
+        abstract_params(config), tokens
+    )
     return str(jaxpr).count("dot_general")
 
 
@@ -31,7 +41,10 @@ def test_program_size_does_not_grow_with_depth():
     cfg = ModelConfig(num_layers=5, mlp_only_layers=(2,), **SMALL)
     assert cfg.layer_runs == ((True, 0, 2), (False, 0, 1), (True, 2, 4))
     assert ModelConfig(num_layers=4, mlp_only_layers=(0, 3), **SMALL).layer_runs == (
-        (False, 0, 1), (True, 0, 2), (False, 1, 2))
+        (False, 0, 1),
+        (True, 0, 2),
+        (False, 1, 2),
+    )
 
 
 def test_stacked_parameters_and_mixed_runs_route_per_layer():
@@ -96,8 +109,11 @@ def test_remat_policies_change_memory_not_values(policy):
     def grads(g):
         return jax.jit(jax.grad(lambda p: -jnp.sum(token_logprobs(g, p, tokens)[0])))(params)
 
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
-                 grads(remat_graphdef), grads(graphdef))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
+        grads(remat_graphdef),
+        grads(graphdef),
+    )
 
 
 def test_scan_unroll_changes_the_program_not_values():
@@ -110,12 +126,18 @@ def test_scan_unroll_changes_the_program_not_values():
         tokens = jnp.arange(14, dtype=jnp.int32).reshape(2, 7) % cfg.vocab_size
 
         def value_and_grads(g, params=params, tokens=tokens):
-            return jax.jit(jax.value_and_grad(
-                lambda p: -jnp.sum(token_logprobs(g, p, tokens, response_start=3)[0])))(params)
+            return jax.jit(
+                jax.value_and_grad(
+                    lambda p: -jnp.sum(token_logprobs(g, p, tokens, response_start=3)[0])
+                )
+            )(params)
 
         # Equal up to float32 rounding (XLA fuses the unrolled program differently).
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                     value_and_grads(unrolled), value_and_grads(graphdef))
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+            value_and_grads(unrolled),
+            value_and_grads(graphdef),
+        )
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="scan_unroll"):
             ModelConfig(scan_unroll=bad)
@@ -136,6 +158,7 @@ def test_config_options_and_param_dtype():
     _, p32 = init_model(cfg.replace(param_dtype=jnp.float32), seed=4)
     np.testing.assert_array_equal(
         np.asarray(params["embed_tokens"][...]),
-        np.asarray(p32["embed_tokens"][...].astype(jnp.bfloat16)))
+        np.asarray(p32["embed_tokens"][...].astype(jnp.bfloat16)),
+    )
     lp, _, _ = jax.jit(token_logprobs)(graphdef, params, jnp.ones((1, 4), jnp.int32))
     assert lp.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(lp)))

@@ -77,14 +77,16 @@ def test_kv_cache_decoding_matches_full_forward(cfg, model, batch, forward):
     )
     got_logits, got_routing = [logits], [routing]
     for t in range(split, T):  # one compile for every single-token step
-        logits, routing, cache = cached(params, tokens[:, t : t + 1], positions[:, t : t + 1],
-                                        cache, jnp.int32(t))
+        logits, routing, cache = cached(
+            params, tokens[:, t : t + 1], positions[:, t : t + 1], cache, jnp.int32(t)
+        )
         got_logits.append(logits)
         got_routing.append(routing)
     got = jnp.concatenate(got_logits, axis=1)
     rows = mask[..., None]
-    np.testing.assert_allclose(jnp.where(rows, got, 0), jnp.where(rows, full.logits, 0),
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        jnp.where(rows, got, 0), jnp.where(rows, full.logits, 0), atol=1e-5, rtol=1e-5
+    )
     np.testing.assert_array_equal(
         jnp.where(mask[None, ..., None], jnp.concatenate(got_routing, axis=2), 0),
         jnp.where(mask[None, ..., None], full.routing, 0),
@@ -129,10 +131,18 @@ def test_token_logprobs_alignment(model, batch, logprobs_jit, forward):
     manual = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1)
     np.testing.assert_allclose(lp1, manual[..., 0], atol=1e-5)
     # Temperature divides the logits; a −∞ cut-off is a no-op.
-    lp_t, _, _ = logprobs_jit(graphdef, params, tokens, input_mask=mask, response_start=1,
-                              temperature=0.5, cutoffs=jnp.full((B, T - 1), -jnp.inf))
-    manual_t = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1] / 0.5), tokens[:, 1:, None],
-                                   -1)
+    lp_t, _, _ = logprobs_jit(
+        graphdef,
+        params,
+        tokens,
+        input_mask=mask,
+        response_start=1,
+        temperature=0.5,
+        cutoffs=jnp.full((B, T - 1), -jnp.inf),
+    )
+    manual_t = jnp.take_along_axis(
+        jax.nn.log_softmax(logits[:, :-1] / 0.5), tokens[:, 1:, None], -1
+    )
     np.testing.assert_allclose(lp_t, manual_t[..., 0], atol=1e-5)
     assert bool(jnp.all(ent1 > 0)) and bool(jnp.all(ent1 <= jnp.log(128.0) + 1e-4))
 
@@ -164,11 +174,17 @@ def test_gradients_reach_router_under_replay_and_compile_once(cfg, model, batch,
 
     # remat changes memory, not values.
     graphdef_remat, _ = init_model(cfg.replace(remat=True), seed=0)
-    grads_remat = jax.jit(jax.grad(lambda p: -jnp.sum(token_logprobs(
-        graphdef_remat, p, tokens, input_mask=mask, routing=routing)[0])))(params)
+    grads_remat = jax.jit(
+        jax.grad(
+            lambda p: (
+                -jnp.sum(
+                    token_logprobs(graphdef_remat, p, tokens, input_mask=mask, routing=routing)[0]
+                )
+            )
+        )
+    )(params)
     np.testing.assert_allclose(
-        grads_remat["moe_layers"]["mlp"]["gate"]["kernel"][...][0], router[0], rtol=1e-4,
-        atol=1e-7
+        grads_remat["moe_layers"]["mlp"]["gate"]["kernel"][...][0], router[0], rtol=1e-4, atol=1e-7
     )
 
 
@@ -193,9 +209,16 @@ def test_bad_inputs_raise_value_errors_naming_the_argument(cfg, model, batch):
 
 
 def test_shared_expert_and_dense_layers_build_and_run():
-    cfg = ModelConfig.tiny(num_layers=2, mlp_only_layers=(0,), shared_expert_intermediate_size=32,
-                           hidden_size=32, head_dim=8, moe_intermediate_size=16,
-                           intermediate_size=32, tie_embeddings=True)
+    cfg = ModelConfig.tiny(
+        num_layers=2,
+        mlp_only_layers=(0,),
+        shared_expert_intermediate_size=32,
+        hidden_size=32,
+        head_dim=8,
+        moe_intermediate_size=16,
+        intermediate_size=32,
+        tie_embeddings=True,
+    )
     graphdef, params = init_model(cfg)
     tokens = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
     lp, ent, aux = jax.jit(token_logprobs)(graphdef, params, tokens)

@@ -42,13 +42,19 @@ def main():
     batch = parts.engine.score(examples, out)
     # A barely trained policy solves nothing (all advantages 0, zero gradient); fixed advantages
     # make the three steps move the parameters.
-    batch = batch.replace(advantages=np.random.default_rng(0).normal(
-        size=batch.advantages.shape).astype(np.float32))
+    batch = batch.replace(
+        advantages=np.random.default_rng(0).normal(size=batch.advantages.shape).astype(np.float32)
+    )
     rows = batch.size // jax.process_count()
     lo = jax.process_index() * rows
     mine = batch.select(slice(lo, lo + rows))
-    step = trainer.make_train_step(parts.graphdef, parts.optimizer, parts.spec,
-                                   prompt_width=c.data.max_prompt_len, mesh=parts.mesh)
+    step = trainer.make_train_step(
+        parts.graphdef,
+        parts.optimizer,
+        parts.spec,
+        prompt_width=c.data.max_prompt_len,
+        mesh=parts.mesh,
+    )
     state = trainer.init_train_state(parts.params, parts.optimizer)
     for _ in range(3):
         # Each process checks its own rows; they agree on the shared-prompt program.
@@ -59,8 +65,10 @@ def main():
     leaves = jax.tree_util.tree_leaves(params)
     if jax.process_index() == 0:
         np.savez(out_path, *leaves, loss=np.asarray(parallel.to_host(metrics["loss/total"])))
-    print(f"process {jax.process_index()}/{jax.process_count()} devices={jax.device_count()} ok",
-          flush=True)
+    print(
+        f"process {jax.process_index()}/{jax.process_count()} devices={jax.device_count()} ok",
+        flush=True,
+    )
 
 
 main()

@@ -35,8 +35,15 @@ def test_broadcast_versions():
     assert s.needed_after(6) == {4, 8}
 
 
-@pytest.mark.parametrize("mode,lag,error", [("fixed", -1, ValueError), ("broadcast", 0, ValueError),
-                                            ("sync", 1, ValueError), ("fixed", 1.5, TypeError)])
+@pytest.mark.parametrize(
+    "mode,lag,error",
+    [
+        ("fixed", -1, ValueError),
+        ("broadcast", 0, ValueError),
+        ("sync", 1, ValueError),
+        ("fixed", 1.5, TypeError),
+    ],
+)
 def test_bad_schedules(mode, lag, error):
     with pytest.raises(error):
         LagSchedule(mode, lag)
@@ -92,8 +99,12 @@ def test_host_placement_keeps_the_sharding_and_accounts_memory():
     assert back.sharding == sharding  # device memory again, same sharding
     np.testing.assert_array_equal(back, np.arange(8))
     # 8 float32 = 32 bytes, split over two devices: this process holds all 32, in host memory.
-    assert host.memory() == {"snapshots/versions": 1.0, "snapshots/bytes_per_version": 32.0,
-                             "snapshots/device_bytes": 0.0, "snapshots/host_bytes": 32.0}
+    assert host.memory() == {
+        "snapshots/versions": 1.0,
+        "snapshots/bytes_per_version": 32.0,
+        "snapshots/device_bytes": 0.0,
+        "snapshots/host_bytes": 32.0,
+    }
     device = SnapshotStore(capacity=2)
     device.put(0, {"w": w})
     device.put(1, {"w": w})
@@ -144,17 +155,25 @@ class _FakeEngine:
 
     def score(self, examples, out):
         ones = np.ones((2, 3), np.float32)
-        return RolloutBatch(tokens=np.zeros((2, 4), np.int32), input_mask=ones > 0,
-                            response_mask=ones > 0, behavior_logp=ones, cutoffs=ones,
-                            routing=np.zeros((1, 2, 3, 1), np.int32), versions=out.versions,
-                            advantages=ones[:, 0], rewards=ones[:, 0])
+        return RolloutBatch(
+            tokens=np.zeros((2, 4), np.int32),
+            input_mask=ones > 0,
+            response_mask=ones > 0,
+            behavior_logp=ones,
+            cutoffs=ones,
+            routing=np.zeros((1, 2, 3, 1), np.int32),
+            versions=out.versions,
+            advantages=ones[:, 0],
+            rewards=ones[:, 0],
+        )
 
 
 @pytest.mark.parametrize("mode,lag", [("fixed", 2), ("fixed", 0), ("broadcast", 3)])
 def test_scheduled_source_samples_the_scheduled_version_and_keeps_only_what_is_needed(mode, lag):
     schedule = LagSchedule(mode, lag)
-    source = ScheduledRollouts(_FakeEngine(), schedule, iter(lambda: [{}], None), seed=0,
-                               needs_old=True)
+    source = ScheduledRollouts(
+        _FakeEngine(), schedule, iter(lambda: [{}], None), seed=0, needs_old=True
+    )
     source.publish(0, {"v": 0})
     for step in range(10):
         rollout = source.next(step)
@@ -171,8 +190,9 @@ def test_scheduled_source_samples_the_scheduled_version_and_keeps_only_what_is_n
 
 @pytest.mark.parametrize("needs_old", [False, True])
 def test_stream_source_keeps_the_newest_and_the_versions_of_unconsumed_batches(needs_old):
-    source = StreamRollouts(_FakeEngine(), iter(lambda: [{}], None), seed=0, queue_size=2,
-                            chunk=1, needs_old=needs_old)
+    source = StreamRollouts(
+        _FakeEngine(), iter(lambda: [{}], None), seed=0, queue_size=2, chunk=1, needs_old=needs_old
+    )
     source.publish(0, {"v": 0})
     sizes = []
     stop = threading.Event()
@@ -205,8 +225,9 @@ def test_stream_source_keeps_the_newest_and_the_versions_of_unconsumed_batches(n
 def test_random_streams_are_named_and_keep_the_rollout_root():
     k = jax.random.key(7)
     same = jax.random.fold_in(jax.random.fold_in(k, 3), 1)
-    assert jnp.array_equal(jax.random.key_data(rng.key(7, "rollout", 3, 1)),
-                           jax.random.key_data(same))
+    assert jnp.array_equal(
+        jax.random.key_data(rng.key(7, "rollout", 3, 1)), jax.random.key_data(same)
+    )
     eval_key = jax.random.key_data(rng.key(7, "eval", 3))
     assert jnp.array_equal(eval_key, jax.random.key_data(rng.key(7, "eval", 3)))
     assert not jnp.array_equal(eval_key, jax.random.key_data(rng.key(7, "stream", 3)))
@@ -225,11 +246,17 @@ def test_batch_specs_and_minibatches_follow_each_fields_batch_axis():
     two = RolloutBatch.specs()  # default: BATCH_AXES
     assert two.routing == jax.sharding.PartitionSpec(None, ("data", "fsdp"))
     b = 4
-    batch = RolloutBatch(tokens=np.arange(b * 3).reshape(b, 3), input_mask=np.ones((b, 3), bool),
-                         response_mask=np.ones((b, 2), bool), behavior_logp=np.zeros((b, 2)),
-                         cutoffs=np.zeros((b, 2)), routing=np.arange(2 * b).reshape(2, b, 1, 1),
-                         versions=np.zeros((b, 2), int), advantages=np.arange(b, dtype=float),
-                         rewards=np.zeros(b))
+    batch = RolloutBatch(
+        tokens=np.arange(b * 3).reshape(b, 3),
+        input_mask=np.ones((b, 3), bool),
+        response_mask=np.ones((b, 2), bool),
+        behavior_logp=np.zeros((b, 2)),
+        cutoffs=np.zeros((b, 2)),
+        routing=np.arange(2 * b).reshape(2, b, 1, 1),
+        versions=np.zeros((b, 2), int),
+        advantages=np.arange(b, dtype=float),
+        rewards=np.zeros(b),
+    )
     first, second = batch.minibatches(2)
     np.testing.assert_array_equal(second.advantages, [2, 3])
     np.testing.assert_array_equal(second.routing[:, :, 0, 0], [[2, 3], [6, 7]])

@@ -25,7 +25,8 @@ from sat_jax.sampling import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 METHOD_CONFIGS = sorted(
-    p for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+    p
+    for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
     # The paper's Qwen3-30B-A3B config describes a real checkpoint (model.hf_path) to load.
     if os.path.basename(p) != "qwen3_30b_a3b.py"
 )
@@ -86,8 +87,9 @@ def test_lag_bookkeeping_is_exact(mode, lag, correction, tmp_path, cache_dir, mo
     config.loss.correction, config.loss.kpop_phi = correction, 0.05
     steps = []
     make = learner.trainer.make_train_step
-    monkeypatch.setattr(learner.trainer, "make_train_step",
-                        lambda *a, **k: steps.append(make(*a, **k)) or steps[-1])
+    monkeypatch.setattr(
+        learner.trainer, "make_train_step", lambda *a, **k: steps.append(make(*a, **k)) or steps[-1]
+    )
     hist = learner.train(config, quiet=True)["history"]
     # Five steps, one compilation: the state's step counters are placed like the rest of it.
     assert [f._cache_size() for f in steps] == [1]
@@ -99,8 +101,10 @@ def test_lag_bookkeeping_is_exact(mode, lag, correction, tmp_path, cache_dir, mo
         assert h["lag/pqs_mean"] == 0 and h["lag/iqs_mean"] == expected
         # The store holds what the schedule needs, never more than its capacity.
         assert 1 <= h["snapshots/versions"] <= schedule.capacity
-        assert h["snapshots/device_bytes"] == h["snapshots/versions"] * h[
-            "snapshots/bytes_per_version"]
+        assert (
+            h["snapshots/device_bytes"]
+            == h["snapshots/versions"] * h["snapshots/bytes_per_version"]
+        )
     assert ("mismatch/engine" in hist[0]) == (correction == "tis")  # KPop needs no recompute
 
 
@@ -128,15 +132,28 @@ def test_stream_mode_records_per_token_versions(tmp_path, cache_dir):
 
 
 def _cli_overrides(workdir, cache_dir):
-    return [f"--workdir={workdir}", "--config.model.num_layers=1",
-            "--config.model.hidden_size=32", "--config.model.num_experts=4",
-            "--config.model.num_experts_per_tok=2", "--config.rollout.prompts_per_step=4",
-            "--config.rollout.group_size=4", f"--config.sft.cache_dir={cache_dir}",
-            "--config.sft.steps=3", "--config.sft.batch_size=16", "--config.data.max_new_tokens=4",
-            "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
-            "--config.model.head_dim=16", "--config.model.moe_intermediate_size=16",
-            "--config.eval.num_prompts=8", "--config.log.progress=False",
-            "--config.log.plots=False", "--config.log.tensorboard=False", "--config.mesh.data=1"]
+    return [
+        f"--workdir={workdir}",
+        "--config.model.num_layers=1",
+        "--config.model.hidden_size=32",
+        "--config.model.num_experts=4",
+        "--config.model.num_experts_per_tok=2",
+        "--config.rollout.prompts_per_step=4",
+        "--config.rollout.group_size=4",
+        f"--config.sft.cache_dir={cache_dir}",
+        "--config.sft.steps=3",
+        "--config.sft.batch_size=16",
+        "--config.data.max_new_tokens=4",
+        "--config.model.num_heads=2",
+        "--config.model.num_kv_heads=1",
+        "--config.model.head_dim=16",
+        "--config.model.moe_intermediate_size=16",
+        "--config.eval.num_prompts=8",
+        "--config.log.progress=False",
+        "--config.log.plots=False",
+        "--config.log.tensorboard=False",
+        "--config.mesh.data=1",
+    ]
 
 
 def _train_rows(workdir):
@@ -164,12 +181,20 @@ def test_sigkill_between_checkpoints_then_resume_logs_each_step_once(tmp_path, c
     # The same run as a CLI process, SIGKILLed (no handler, no closing checkpoint) after step 5
     # is logged: its newest checkpoint is step 4, so step 5 is logged again after the resume.
     workdir = tmp_path / "killed"
-    args = [*_cli_overrides(workdir, cache_dir), "--config.num_steps=7",
-            "--config.checkpoint.every=2", "--config.lag=2", "--config.lag_mode=fixed",
-            "--config.eval.every=3"]
-    proc = subprocess.Popen([sys.executable, "-m", "sat_jax.cli", "train", *args],
-                            env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    args = [
+        *_cli_overrides(workdir, cache_dir),
+        "--config.num_steps=7",
+        "--config.checkpoint.every=2",
+        "--config.lag=2",
+        "--config.lag_mode=fixed",
+        "--config.eval.every=3",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sat_jax.cli", "train", *args],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if (workdir / "metrics.jsonl").exists() and len(_train_rows(workdir)) >= 5:
@@ -227,8 +252,13 @@ def test_sharded_step_equals_single_device(tmp_path, cache_dir):
     results = []
     for n in (1, 8):
         mesh = parallel.make_mesh(n)
-        step = trainer.make_train_step(parts.graphdef, optimizer, parts.spec,
-                                       prompt_width=config.data.max_prompt_len, mesh=mesh)
+        step = trainer.make_train_step(
+            parts.graphdef,
+            optimizer,
+            parts.spec,
+            prompt_width=config.data.max_prompt_len,
+            mesh=mesh,
+        )
         params = parallel.replicate(parts.params, mesh)
         state = trainer.init_train_state(params, optimizer)
         state, metrics = step(state, batch.shard(mesh), {})
@@ -260,8 +290,12 @@ def test_rollout_and_train_step_vmap_over_a_run_axis(tmp_path, cache_dir):
     # Rollouts: one compiled sampler over the run axis vs each run alone.
     alone = [parts.engine.generate(p, examples, k, 0) for p, k in zip(params, keys, strict=True)]
     tokens, mask, widths = sampler._layout(*parts.engine.encode(examples))
-    sampling = SamplingParams(*(jnp.asarray(v, jnp.int32 if i == 2 else jnp.float32)
-                                for i, v in enumerate(parts.engine.sampling)))
+    sampling = SamplingParams(
+        *(
+            jnp.asarray(v, jnp.int32 if i == 2 else jnp.float32)
+            for i, v in enumerate(parts.engine.sampling)
+        )
+    )
 
     def generate(p, key):
         state = sampler._prefill_impl(p, tokens, mask, widths, key, sampling)
@@ -273,30 +307,44 @@ def test_rollout_and_train_step_vmap_over_a_run_axis(tmp_path, cache_dir):
 
     # Trainer step: one compiled step over the run axis vs each run alone.
     batches = [parts.engine.score(examples, out) for out in alone]
-    step = trainer.make_train_step(parts.graphdef, parts.optimizer, parts.spec,
-                                   prompt_width=config.data.max_prompt_len, mesh=mesh)
-    states = [parallel.replicate(trainer.init_train_state(p, parts.optimizer), mesh)
-              for p in params]
+    step = trainer.make_train_step(
+        parts.graphdef,
+        parts.optimizer,
+        parts.spec,
+        prompt_width=config.data.max_prompt_len,
+        mesh=mesh,
+    )
+    states = [
+        parallel.replicate(trainer.init_train_state(p, parts.optimizer), mesh) for p in params
+    ]
     single = [step(s, b.shard(mesh), {}) for s, b in zip(states, batches, strict=True)]
     stacked = stack(batches)
     v_state, v_metrics = jax.jit(jax.vmap(step, in_axes=(0, 0, None)))(stack(states), stacked, {})
     sensitive = {"loss/sat/q", "loss/sat/c_min", "loss/sat/eps_low_mean", "loss/sat/eps_high_mean"}
     for r, (state, metrics) in enumerate(single):
-        jax.tree.map(lambda a, b, r=r: np.testing.assert_allclose(a[r], b, rtol=1e-5, atol=1e-6),
-                     v_state.params, state.params)
+        jax.tree.map(
+            lambda a, b, r=r: np.testing.assert_allclose(a[r], b, rtol=1e-5, atol=1e-6),
+            v_state.params,
+            state.params,
+        )
         for k, v in metrics.items():  # batched matmuls round differently; SAT's ratios amplify it
-            np.testing.assert_allclose(v_metrics[k][r], v, rtol=2e-3 if k in sensitive else 1e-4,
-                                       atol=1e-6, err_msg=k)
+            np.testing.assert_allclose(
+                v_metrics[k][r], v, rtol=2e-3 if k in sensitive else 1e-4, atol=1e-6, err_msg=k
+            )
 
 
 @pytest.mark.parametrize(
     "args,message",
     [
         (["train", "--config.nonexistent_key=1"], "nonexistent_key"),
-        (["train", "--config.lag_mode=broadcast", "--config.lag=0"],
-         "lag for mode 'broadcast' must be >= 1"),
-        (["train", "--config.data.source=jsonl", "--config.data.path=/nonexistent.jsonl"],
-         "does not exist"),
+        (
+            ["train", "--config.lag_mode=broadcast", "--config.lag=0"],
+            "lag for mode 'broadcast' must be >= 1",
+        ),
+        (
+            ["train", "--config.data.source=jsonl", "--config.data.path=/nonexistent.jsonl"],
+            "does not exist",
+        ),
         (["frobnicate"], "unknown command"),
     ],
 )
@@ -304,7 +352,10 @@ def test_cli_rejects_bad_input_before_compute(args, message, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     res = subprocess.run(
         [sys.executable, "-m", "sat_jax.cli", *args, f"--workdir={tmp_path}/run"],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert res.returncode != 0
     assert message in res.stderr + res.stdout
@@ -315,23 +366,41 @@ def test_cli_rejects_bad_input_before_compute(args, message, tmp_path):
 def test_cli_train_eval_plot(tmp_path, cache_dir):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     overrides = [
-        f"--workdir={tmp_path}/run", "--config.num_steps=2", "--config.model.num_layers=1",
-        "--config.model.hidden_size=32", "--config.model.num_experts=4",
-        "--config.model.num_experts_per_tok=2", "--config.rollout.prompts_per_step=4",
-        "--config.rollout.group_size=4", f"--config.sft.cache_dir={cache_dir}",
-        "--config.sft.steps=3", "--config.eval.every=0", "--config.eval.num_prompts=8",
-        "--config.log.progress=False", "--config.mesh.data=1",
+        f"--workdir={tmp_path}/run",
+        "--config.num_steps=2",
+        "--config.model.num_layers=1",
+        "--config.model.hidden_size=32",
+        "--config.model.num_experts=4",
+        "--config.model.num_experts_per_tok=2",
+        "--config.rollout.prompts_per_step=4",
+        "--config.rollout.group_size=4",
+        f"--config.sft.cache_dir={cache_dir}",
+        "--config.sft.steps=3",
+        "--config.eval.every=0",
+        "--config.eval.num_prompts=8",
+        "--config.log.progress=False",
+        "--config.mesh.data=1",
     ]
-    train = subprocess.run([sys.executable, "-m", "sat_jax.cli", "train", *overrides],
-                           capture_output=True, text=True, env=env, timeout=600)
+    train = subprocess.run(
+        [sys.executable, "-m", "sat_jax.cli", "train", *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert train.returncode == 0, train.stderr[-3000:]
-    summary = json.loads(train.stdout[train.stdout.index("{"):])
+    summary = json.loads(train.stdout[train.stdout.index("{") :])
     assert summary["steps"] == [0, 2]
     assert os.path.exists(tmp_path / "run" / "plots" / "summary.png")
-    ev = subprocess.run([sys.executable, "-m", "sat_jax.cli", "eval", *overrides],
-                        capture_output=True, text=True, env=env, timeout=600)
+    ev = subprocess.run(
+        [sys.executable, "-m", "sat_jax.cli", "eval", *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert ev.returncode == 0, ev.stderr[-3000:]
-    assert json.loads(ev.stdout[ev.stdout.index("{"):])["step"] == 2
+    assert json.loads(ev.stdout[ev.stdout.index("{") :])["step"] == 2
 
 
 def test_stream_worker_swaps_weights_mid_decode(tmp_path, cache_dir):
@@ -370,14 +439,31 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, cache_dir):
     workdir = tmp_path / "run"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sat_jax.cli", "train", f"--workdir={workdir}",
-         "--config.num_steps=100000", "--config.model.num_layers=1",
-         "--config.model.hidden_size=32", "--config.model.num_experts=4",
-         "--config.model.num_experts_per_tok=2", "--config.rollout.prompts_per_step=4",
-         "--config.rollout.group_size=4", f"--config.sft.cache_dir={cache_dir}",
-         "--config.sft.steps=3", "--config.eval.every=0", "--config.checkpoint.every=0",
-         "--config.log.progress=False", "--config.log.plots=False", "--config.mesh.data=1"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "sat_jax.cli",
+            "train",
+            f"--workdir={workdir}",
+            "--config.num_steps=100000",
+            "--config.model.num_layers=1",
+            "--config.model.hidden_size=32",
+            "--config.model.num_experts=4",
+            "--config.model.num_experts_per_tok=2",
+            "--config.rollout.prompts_per_step=4",
+            "--config.rollout.group_size=4",
+            f"--config.sft.cache_dir={cache_dir}",
+            "--config.sft.steps=3",
+            "--config.eval.every=0",
+            "--config.checkpoint.every=0",
+            "--config.log.progress=False",
+            "--config.log.plots=False",
+            "--config.mesh.data=1",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     metrics = workdir / "metrics.jsonl"
     deadline = time.time() + 300
@@ -416,5 +502,6 @@ def test_jsonl_source_runs_through_the_learner(tmp_path, cache_dir):
     # `sat-jax eval` of the step-2 checkpoint samples exactly as the evaluation during training.
     evaluated = learner.evaluate_run(config)
     assert evaluated["step"] == 2
-    assert {k: evaluated[k.removeprefix("eval/")] for k in in_training[0] if k.startswith(
-        "eval/")} == {k: v for k, v in in_training[0].items() if k.startswith("eval/")}
+    assert {
+        k: evaluated[k.removeprefix("eval/")] for k in in_training[0] if k.startswith("eval/")
+    } == {k: v for k, v in in_training[0].items() if k.startswith("eval/")}

@@ -14,16 +14,34 @@ from sat_jax.rl import sft
 
 
 def _warmup(cache_dir, params, graphdef, tokenizer):
-    return sft.warmup(graphdef, params, tokenizer, AdditionTask(1, eval_size=20), steps=2,
-                      batch_size=4, learning_rate=1e-2, seed=0, prompt_width=6,
-                      response_width=3, cache_dir=str(cache_dir), cache_spec={"case": "test"})
+    return sft.warmup(
+        graphdef,
+        params,
+        tokenizer,
+        AdditionTask(1, eval_size=20),
+        steps=2,
+        batch_size=4,
+        learning_rate=1e-2,
+        seed=0,
+        prompt_width=6,
+        response_width=3,
+        cache_dir=str(cache_dir),
+        cache_spec={"case": "test"},
+    )
 
 
 def test_cache_reuses_only_the_same_code(tmp_path, monkeypatch):
     tokenizer = CharTokenizer()
-    cfg = ModelConfig.tiny(vocab_size=tokenizer.vocab_size, num_layers=1, num_experts=4,
-                           hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
-                           moe_intermediate_size=8)
+    cfg = ModelConfig.tiny(
+        vocab_size=tokenizer.vocab_size,
+        num_layers=1,
+        num_experts=4,
+        hidden_size=16,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        moe_intermediate_size=8,
+    )
     graphdef, params = init_model(cfg, seed=0)
     assert len(sft.code_digest()) == 16 and sft.code_digest() == sft.code_digest()
 

@@ -11,9 +11,12 @@ from sat_jax.models import ModelConfig, init_model, token_logprobs
 from sat_jax.sampling import Sampler, SamplingParams
 
 P, N = 6, 12
-PROMPTS = np.array(
-    [[5, 6, 7, 0, 0, 0], [8, 9, 10, 11, 12, 13], [3, 4, 0, 0, 0, 0], [20, 21, 22, 23, 0, 0]] * 2
-) + np.array([0] * 4 + [30] * 4)[:, None] * (np.arange(6) < 2)[None, :]
+PROMPTS = (
+    np.array(
+        [[5, 6, 7, 0, 0, 0], [8, 9, 10, 11, 12, 13], [3, 4, 0, 0, 0, 0], [20, 21, 22, 23, 0, 0]] * 2
+    )
+    + np.array([0] * 4 + [30] * 4)[:, None] * (np.arange(6) < 2)[None, :]
+)
 LENGTHS = np.array([3, 6, 2, 4] * 2)
 TRUNCATED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20)
 
@@ -44,9 +47,14 @@ def score():
 
     def run(graphdef, params, out, temperature, replay=True):
         return fn(
-            graphdef, params, out.tokens, input_mask=out.input_mask,
-            response_start=out.prompt_width, routing=out.routing if replay else None,
-            cutoffs=out.cutoffs, temperature=temperature,
+            graphdef,
+            params,
+            out.tokens,
+            input_mask=out.input_mask,
+            response_start=out.prompt_width,
+            routing=out.routing if replay else None,
+            cutoffs=out.cutoffs,
+            temperature=temperature,
         )
 
     return run
@@ -85,8 +93,13 @@ def test_same_numerics_with_replay_matches_behavior_logp(params, sampler32, scor
         assert bool(jnp.all(jnp.isfinite(out.cutoffs) | ~mask))
         # Without the replayed support the trainer scores the full vocabulary instead.
         full, _, _ = jax.jit(token_logprobs, static_argnames=("response_start",))(
-            graphdef, p, out.tokens, input_mask=out.input_mask, response_start=P,
-            routing=out.routing, temperature=sampling.temperature,
+            graphdef,
+            p,
+            out.tokens,
+            input_mask=out.input_mask,
+            response_start=P,
+            routing=out.routing,
+            temperature=sampling.temperature,
         )
         assert _mean_abs(full, out.behavior_logp, mask) > 1e-2
 
@@ -149,8 +162,9 @@ def test_one_compile_per_shape(params, sampler32):
     # this batch shape already: count what these three calls add.
     before = sampler32._prefill._cache_size(), sampler32._decode._cache_size()
     for i, (pp, sp) in enumerate(calls):
-        sampler32.generate(pp, PROMPTS[:, : 4 + i % 3], np.minimum(LENGTHS, 4), jax.random.key(i),
-                           sp, version=i)
+        sampler32.generate(
+            pp, PROMPTS[:, : 4 + i % 3], np.minimum(LENGTHS, 4), jax.random.key(i), sp, version=i
+        )
     assert sampler32._prefill._cache_size() - before[0] <= 1
     assert sampler32._decode._cache_size() - before[1] <= 1
 

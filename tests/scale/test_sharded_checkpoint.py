@@ -21,9 +21,18 @@ from sat_jax.rl.batch import RolloutBatch
 from sat_jax.run.checkpoint import Checkpointer
 
 CFG = ModelConfig(
-    vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8,
-    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(1,),
-    intermediate_size=32, init_std=0.1,
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    mlp_only_layers=(1,),
+    intermediate_size=32,
+    init_std=0.1,
 )
 P_W, N, ROWS = 3, 4, 8
 OPT = optax.adam(1e-2)
@@ -50,8 +59,12 @@ def _batch(seed=0) -> RolloutBatch:
 
 def _local_bytes(tree) -> int:
     dev = jax.devices()[0]
-    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
-               if s.device == dev)
+    return sum(
+        s.data.nbytes
+        for x in jax.tree.leaves(tree)
+        for s in x.addressable_shards
+        if s.device == dev
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +81,11 @@ def saved(tmp_path_factory):
 
 
 def _assert_same_values(a, b):
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
-                 jax.device_get(a), jax.device_get(b))
+    jax.tree.map(
+        lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+        jax.device_get(a),
+        jax.device_get(b),
+    )
 
 
 def test_sharded_state_round_trips_with_its_layout(saved):
@@ -81,8 +97,10 @@ def test_sharded_state_round_trips_with_its_layout(saved):
     got = trainer.TrainState(**restored["state"])
     _assert_same_values(got, state)
     for want, have in zip(jax.tree.leaves(state), jax.tree.leaves(got), strict=True):
-        assert have.sharding.is_equivalent_to(want.sharding, have.ndim), (want.sharding,
-                                                                          have.sharding)
+        assert have.sharding.is_equivalent_to(want.sharding, have.ndim), (
+            want.sharding,
+            have.sharding,
+        )
     # Each device holds its slice only: 1/8 of every expert and attention weight.
     assert _local_bytes(got.params) == _local_bytes(state.params)
     assert _local_bytes(got.params) < sum(x.nbytes for x in jax.tree.leaves(got.params)) / 4
@@ -102,7 +120,6 @@ def test_sharded_checkpoint_restores_into_another_mesh(saved):
         restored, _, _ = ckpt.restore({"state": target})
     got = trainer.TrainState(**restored["state"])
     _assert_same_values(got, saved["state"])
-    for want, have in zip(jax.tree.leaves(target), jax.tree.leaves(restored["state"]),
-                          strict=True):
+    for want, have in zip(jax.tree.leaves(target), jax.tree.leaves(restored["state"]), strict=True):
         assert have.sharding.is_equivalent_to(want.sharding, have.ndim), (want, have.sharding)
         assert have.sharding.mesh.shape == other.shape

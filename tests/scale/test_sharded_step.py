@@ -39,9 +39,18 @@ from sat_jax.rl import trainer
 from sat_jax.rl.batch import RolloutBatch
 
 CFG = ModelConfig(
-    vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(1,),
-    intermediate_size=32, init_std=0.1,
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    mlp_only_layers=(1,),
+    intermediate_size=32,
+    init_std=0.1,
 )
 B, P_W, N = 8, 3, 5  # rows, prompt width, response width
 MESHES = {
@@ -68,7 +77,8 @@ def _batch(graphdef, params, rng_seed=0, rows=B):
     response_mask = np.arange(N)[None, :] < lengths[:, None]
     mask[:, P_W:] = response_mask
     logp, _, aux = jax.jit(token_logprobs, static_argnames="response_start")(
-        graphdef, params, jnp.asarray(tokens), input_mask=jnp.asarray(mask), response_start=P_W)
+        graphdef, params, jnp.asarray(tokens), input_mask=jnp.asarray(mask), response_start=P_W
+    )
     behavior = np.asarray(logp) + rng.normal(0, 0.05, (rows, N)).astype(np.float32)
     return {
         "tokens": tokens,
@@ -82,8 +92,11 @@ def _batch(graphdef, params, rng_seed=0, rows=B):
 
 
 def _host_batch(fields) -> RolloutBatch:
-    return RolloutBatch(**fields, versions=np.zeros_like(fields["behavior_logp"], np.int32),
-                        rewards=np.zeros_like(fields["advantages"]))
+    return RolloutBatch(
+        **fields,
+        versions=np.zeros_like(fields["behavior_logp"], np.int32),
+        rewards=np.zeros_like(fields["advantages"]),
+    )
 
 
 def _run(mesh_kwargs, graphdef, batch):
@@ -92,11 +105,14 @@ def _run(mesh_kwargs, graphdef, batch):
     state = trainer.init_train_state(params, OPT, mesh, config=CFG)
     step = trainer.make_train_step(graphdef, OPT, SPEC, prompt_width=P_W, mesh=mesh, donate=True)
     placed = _host_batch(batch).shard(mesh)
-    before = {"opt": _device_bytes(state.opt_state),
-              "shardings": [x.sharding for x in jax.tree.leaves(state)]}
+    before = {
+        "opt": _device_bytes(state.opt_state),
+        "shardings": [x.sharding for x in jax.tree.leaves(state)],
+    }
     new_state, metrics = step(state, placed, {})
     assert state.opt_state is not None and all(  # the optimizer state was donated
-        x.is_deleted() for x in jax.tree.leaves(state.opt_state))
+        x.is_deleted() for x in jax.tree.leaves(state.opt_state)
+    )
     assert not any(x.is_deleted() for x in jax.tree.leaves(state.params))  # params survive
     return mesh, (state, before), new_state, jax.device_get(metrics)
 
@@ -119,8 +135,12 @@ def reference(model, batch):
 
 def _device_bytes(tree) -> int:
     dev = jax.devices()[0]
-    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
-               if s.device == dev)
+    return sum(
+        s.data.nbytes
+        for x in jax.tree.leaves(tree)
+        for s in x.addressable_shards
+        if s.device == dev
+    )
 
 
 @pytest.mark.parametrize("name", [*MESHES, CHUNKED])
@@ -131,15 +151,23 @@ def test_sharded_step_equals_single_device_and_splits_memory(name, model, batch,
     mesh, (state, before), new_state, metrics = _run(MESHES[name.split("+")[0]], graphdef, batch)
     want_params, want_opt, want_metrics = reference
     for k, v in want_metrics.items():
-        np.testing.assert_allclose(metrics[k], v, rtol=2e-3 if k in SENSITIVE else 2e-5,
-                                   atol=1e-7, err_msg=k)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
-                 jax.device_get(new_state.params), want_params)
+        np.testing.assert_allclose(
+            metrics[k], v, rtol=2e-3 if k in SENSITIVE else 2e-5, atol=1e-7, err_msg=k
+        )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
+        jax.device_get(new_state.params),
+        want_params,
+    )
     # The momentum trace is the gradient: sharded contractions sum in another order, so compare
     # relative to each gradient's scale (float32 rounding, ~1e-7 of it).
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(
-        a, b, rtol=2e-5, atol=1e-6 * float(np.max(np.abs(b)))),
-        jax.device_get(new_state.opt_state), want_opt)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(
+            a, b, rtol=2e-5, atol=1e-6 * float(np.max(np.abs(b)))
+        ),
+        jax.device_get(new_state.opt_state),
+        want_opt,
+    )
 
     # Memory: every weight but norms and routers takes 1/(fsdp·expert·tensor) per device, in
     # the parameters, the optimizer state, and the updated state alike.
@@ -185,10 +213,14 @@ def test_shared_prompt_step_equals_plain_step(model):
     assert (step.jitted._cache_size(), step.unshared._cache_size()) == (1, 0)
     metrics = jax.device_get(metrics)
     for k, v in want.items():
-        np.testing.assert_allclose(metrics[k], v, rtol=2e-3 if k in SENSITIVE else 2e-5,
-                                   atol=1e-7, err_msg=k)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
-                 jax.device_get(new_state.params), jax.device_get(want_state.params))
+        np.testing.assert_allclose(
+            metrics[k], v, rtol=2e-3 if k in SENSITIVE else 2e-5, atol=1e-7, err_msg=k
+        )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
+        jax.device_get(new_state.params),
+        jax.device_get(want_state.params),
+    )
 
     # One prompt token of row 3 changed: group 1 no longer shares, so the plain program runs.
     tokens[3, P_W - 1] = (tokens[3, P_W - 1] + 1) % CFG.vocab_size
@@ -198,14 +230,15 @@ def test_shared_prompt_step_equals_plain_step(model):
     assert (step.jitted._cache_size(), step.unshared._cache_size()) == (1, 1)
     with pytest.raises(ValueError, match="prompt_group > 1"):
         trainer.make_train_step(graphdef, OPT, SPEC, prompt_width=P_W, mesh=mesh)(
-            state, broken.shard(mesh), {}, share=True)
+            state, broken.shard(mesh), {}, share=True
+        )
 
 
 def _batch_from(graphdef, params, fields, tokens, mask):
     """``fields`` with new tokens and masks, and the routing a fresh pass on them captures."""
     aux = jax.jit(token_logprobs, static_argnames="response_start")(
-        graphdef, params, jnp.asarray(tokens), input_mask=jnp.asarray(mask),
-        response_start=P_W)[2]
+        graphdef, params, jnp.asarray(tokens), input_mask=jnp.asarray(mask), response_start=P_W
+    )[2]
     return {**fields, "tokens": tokens, "input_mask": mask, "routing": np.asarray(aux["routing"])}
 
 
@@ -233,9 +266,14 @@ def P_(*a):
 
 
 def _abstract_batch(config, mesh, rows, t, prompt=P_W):
-    return RolloutBatch.abstract(mesh, rows=rows, prompt_width=prompt, response_width=t - prompt,
-                                 num_moe_layers=config.num_moe_layers,
-                                 experts_per_tok=config.num_experts_per_tok)
+    return RolloutBatch.abstract(
+        mesh,
+        rows=rows,
+        prompt_width=prompt,
+        response_width=t - prompt,
+        num_moe_layers=config.num_moe_layers,
+        experts_per_tok=config.num_experts_per_tok,
+    )
 
 
 def _all_gather_shapes(hlo: str) -> list[tuple[int, ...]]:
@@ -251,15 +289,21 @@ def test_sharded_sat_step_gathers_no_token_sized_arrays(model):
     # Data-only mesh: parameters replicated, so the step has no all-gather at all.
     mesh = parallel.make_mesh(num_data=8)
     step = trainer.make_train_step(model[0], OPT, SPEC, prompt_width=P_W, mesh=mesh)
-    hlo = step.lower(_abstract_state(CFG, mesh, OPT), _abstract_batch(CFG, mesh, rows, t),
-                     {}).compile().as_text()
+    hlo = (
+        step.lower(_abstract_state(CFG, mesh, OPT), _abstract_batch(CFG, mesh, rows, t), {})
+        .compile()
+        .as_text()
+    )
     assert "all-gather" not in hlo and "all-to-all" not in hlo
     assert re.search(r"all-reduce(?:-start)?\(", hlo), "expected psums of the loss statistics"
     # FSDP mesh: the only all-gathers are of parameters (FSDP gathers weights where used).
     mesh = parallel.make_mesh(num_data=2, fsdp=4)
     step = trainer.make_train_step(model[0], OPT, SPEC, prompt_width=P_W, mesh=mesh)
-    hlo = step.lower(_abstract_state(CFG, mesh, OPT), _abstract_batch(CFG, mesh, rows, t),
-                     {}).compile().as_text()
+    hlo = (
+        step.lower(_abstract_state(CFG, mesh, OPT), _abstract_batch(CFG, mesh, rows, t), {})
+        .compile()
+        .as_text()
+    )
     allowed = set()
     for leaf in jax.tree.leaves(abstract_params(CFG)):
         allowed |= {tuple(leaf.shape), tuple(leaf.shape[1:])}
@@ -274,15 +318,26 @@ def test_qwen3_30b_a3b_width_train_step_compiles_abstractly():
     """Two blocks at Qwen3-30B-A3B's published widths: nothing of that size is allocated. The
     attention in chunks of 8 of the 24 positions, heads split over tensor, as its config runs."""
     config = ModelConfig(
-        vocab_size=151_936, hidden_size=2048, num_layers=2, num_heads=32, num_kv_heads=4,
-        head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-        rope_theta=1e6, dtype=jnp.bfloat16, remat="full", attention_chunk=8,
+        vocab_size=151_936,
+        hidden_size=2048,
+        num_layers=2,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        rope_theta=1e6,
+        dtype=jnp.bfloat16,
+        remat="full",
+        attention_chunk=8,
     )
     mesh = parallel.make_mesh(num_data=1, fsdp=2, expert=2, tensor=2)
     optimizer = optax.adam(1e-6)
     graphdef = graphdef_for(config)
-    step = trainer.make_train_step(graphdef, optimizer, trainer.LossSpec(), prompt_width=8,
-                                   mesh=mesh)
+    step = trainer.make_train_step(
+        graphdef, optimizer, trainer.LossSpec(), prompt_width=8, mesh=mesh
+    )
     state = _abstract_state(config, mesh, optimizer)
     compiled = step.lower(state, _abstract_batch(config, mesh, 4, 8 + 16, 8), {}).compile()
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
@@ -309,8 +364,9 @@ def test_sampler_decodes_from_sharded_parameters(model):
     from sat_jax.sampling import Sampler, SamplingParams
 
     graphdef, params = model
-    _, sharded = init_model(CFG, seed=0, mesh=parallel.make_mesh(num_data=1, fsdp=2, expert=2,
-                                                                 tensor=2))
+    _, sharded = init_model(
+        CFG, seed=0, mesh=parallel.make_mesh(num_data=1, fsdp=2, expert=2, tensor=2)
+    )
     sampler = Sampler(CFG, max_prompt_len=4, max_new_tokens=4, eos_id=1)
     prompts = np.array([[5, 9, 17, 3], [7, 8, 0, 0]], np.int32)
     lengths = np.array([4, 2], np.int32)
@@ -318,5 +374,6 @@ def test_sampler_decodes_from_sharded_parameters(model):
     got = sampler.generate(sharded, prompts, lengths, jax.random.key(0), SamplingParams(top_k=1))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_array_equal(np.asarray(got.routing), np.asarray(want.routing))
-    np.testing.assert_allclose(np.asarray(got.behavior_logp), np.asarray(want.behavior_logp),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(got.behavior_logp), np.asarray(want.behavior_logp), atol=1e-5
+    )

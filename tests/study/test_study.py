@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # --------------------------------------------------------------------------- grid expansion
 
+
 def test_paper_core_envelope_sizes_and_names(tmp_path):
     paper = study_grid.expand(study_grid.resolve("paper"), str(tmp_path))
     assert len(paper) == 13 * 2 * 3  # Table 1's 13 methods × lags 1, 8 × 3 seeds
@@ -42,8 +43,10 @@ def test_paper_core_envelope_sizes_and_names(tmp_path):
     assert core == {"grpo_r3", "gspo_r3", "dppo", "sat_grpo_r3", "sat_gspo_r3"}
 
 
-@pytest.mark.parametrize("name", [n for n in study_grid.METHODS
-                                  if os.path.exists(os.path.join(ROOT, "configs", n + ".py"))])
+@pytest.mark.parametrize(
+    "name",
+    [n for n in study_grid.METHODS if os.path.exists(os.path.join(ROOT, "configs", n + ".py"))],
+)
 def test_methods_equal_the_config_files(name):
     spec = importlib.util.spec_from_file_location("c", os.path.join(ROOT, "configs", name + ".py"))
     module = importlib.util.module_from_spec(spec)
@@ -53,16 +56,19 @@ def test_methods_equal_the_config_files(name):
 
 def test_overrides_apply_to_every_run_and_grid_fields_are_refused(tmp_path):
     g = study_grid.resolve("core", seeds=1, lags=(8,))
-    runs = study_grid.expand(g, str(tmp_path), overrides=["num_steps=7", "optim.learning_rate=3e-4",
-                                                          "log.plots=false"])
-    assert {(c.num_steps, c.optim.learning_rate, c.log.plots) for _, c in runs} == {(7, 3e-4,
-                                                                                    False)}
+    runs = study_grid.expand(
+        g, str(tmp_path), overrides=["num_steps=7", "optim.learning_rate=3e-4", "log.plots=false"]
+    )
+    assert {(c.num_steps, c.optim.learning_rate, c.log.plots) for _, c in runs} == {
+        (7, 3e-4, False)
+    }
     assert runs[0][0].name == "grpo_r3-broadcast8-lr0.0003-seed0"
     with pytest.raises(ValueError, match="--set lag: the grid sets this field"):
         study_grid.expand(g, str(tmp_path), overrides=["lag=3"])
     with pytest.raises(ValueError, match="use --lrs"):
-        study_grid.expand(study_grid.resolve("envelope"), str(tmp_path),
-                          overrides=["optim.learning_rate=1e-3"])
+        study_grid.expand(
+            study_grid.resolve("envelope"), str(tmp_path), overrides=["optim.learning_rate=1e-3"]
+        )
 
 
 def test_override_parses_with_the_field_type():
@@ -74,33 +80,45 @@ def test_override_parses_with_the_field_type():
     assert c.log.plots is False
 
 
-@pytest.mark.parametrize("item,message", [
-    ("optim.nonexistent=1", "unknown config field 'optim.nonexistent'"),
-    ("nope.lr=1", "unknown config field 'nope.lr'"),
-    ("optim=1", "unknown config field 'optim'"),
-    ("optim.learning_rate", "KEY=VALUE"),
-    ("rollout.group_size=2.5", "rollout.group_size: expected a int, got '2.5'"),
-    ("log.plots=maybe", "log.plots: expected true or false"),
-])
+@pytest.mark.parametrize(
+    "item,message",
+    [
+        ("optim.nonexistent=1", "unknown config field 'optim.nonexistent'"),
+        ("nope.lr=1", "unknown config field 'nope.lr'"),
+        ("optim=1", "unknown config field 'optim'"),
+        ("optim.learning_rate", "KEY=VALUE"),
+        ("rollout.group_size=2.5", "rollout.group_size: expected a int, got '2.5'"),
+        ("log.plots=maybe", "log.plots: expected true or false"),
+    ],
+)
 def test_override_rejects_bad_input(item, message):
     with pytest.raises(ValueError, match=message):
         study_grid.apply_override(config_lib.get_config(), item)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(grid="nope"), "unknown grid 'nope'"),
-    (dict(grid="core", seeds=0), "--seeds must be >= 1"),
-    (dict(grid="core", baseline="grpo"), "--baseline 'grpo' is not one of"),
-    (dict(grid="core", methods=("grpo", "nope")), "unknown method"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(grid="nope"), "unknown grid 'nope'"),
+        (dict(grid="core", seeds=0), "--seeds must be >= 1"),
+        (dict(grid="core", baseline="grpo"), "--baseline 'grpo' is not one of"),
+        (dict(grid="core", methods=("grpo", "nope")), "unknown method"),
+    ],
+)
 def test_resolve_rejects_bad_choices(kwargs, message):
     with pytest.raises(ValueError, match=message):
         study_grid.resolve(kwargs.pop("grid"), **kwargs)
 
 
-@pytest.mark.parametrize("text,message", [("1,x", "comma-separated list of integers"),
-                                          ("", "comma-separated list"), ("1,-2", ">= 0"),
-                                          ("1,1", "repeated")])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("1,x", "comma-separated list of integers"),
+        ("", "comma-separated list"),
+        ("1,-2", ">= 0"),
+        ("1,1", "repeated"),
+    ],
+)
 def test_parse_ints_errors(text, message):
     with pytest.raises(ValueError, match=message):
         study_grid.parse_ints(text, "--lags")
@@ -116,9 +134,11 @@ def test_parse_lists():
 
 # --------------------------------------------------------------------------- resume
 
+
 def test_finished_runs_are_skipped_and_changed_ones_rerun(tmp_path):
-    g = study_grid.resolve("envelope", seeds=2, lags=(1,), lrs=(1e-4,), methods=("grpo",),
-                           baseline="grpo")
+    g = study_grid.resolve(
+        "envelope", seeds=2, lags=(1,), lrs=(1e-4,), methods=("grpo",), baseline="grpo"
+    )
     runs = study_grid.expand(g, str(tmp_path))
     calls = []
 
@@ -143,8 +163,9 @@ def test_finished_runs_are_skipped_and_changed_ones_rerun(tmp_path):
 
 
 def test_an_interrupted_run_stops_the_grid_unmarked(tmp_path):
-    g = study_grid.resolve("envelope", seeds=3, lags=(1,), lrs=(1e-4,), methods=("grpo",),
-                           baseline="grpo")
+    g = study_grid.resolve(
+        "envelope", seeds=3, lags=(1,), lrs=(1e-4,), methods=("grpo",), baseline="grpo"
+    )
     runs = study_grid.expand(g, str(tmp_path))
     calls = []
 
@@ -159,8 +180,9 @@ def test_an_interrupted_run_stops_the_grid_unmarked(tmp_path):
 
 
 def test_a_failing_run_is_recorded_and_the_grid_goes_on(tmp_path):
-    g = study_grid.resolve("envelope", seeds=3, lags=(1,), lrs=(1e-4,), methods=("grpo",),
-                           baseline="grpo")
+    g = study_grid.resolve(
+        "envelope", seeds=3, lags=(1,), lrs=(1e-4,), methods=("grpo",), baseline="grpo"
+    )
     runs = study_grid.expand(g, str(tmp_path))
 
     def fake_train(config):
@@ -169,8 +191,12 @@ def test_a_failing_run_is_recorded_and_the_grid_goes_on(tmp_path):
         return {"interrupted": False}
 
     logs, progress = [], []
-    result = runner.run_all(runs, train=fake_train, log=logs.append,
-                            after_run=lambda p: progress.append(len(p["trained"] + p["failed"])))
+    result = runner.run_all(
+        runs,
+        train=fake_train,
+        log=logs.append,
+        after_run=lambda p: progress.append(len(p["trained"] + p["failed"])),
+    )
     assert progress == [1, 2, 3]
     assert result["failed"] == [runs[1][0].name] and len(result["trained"]) == 2
     assert "FAILED" in logs[3] and "FloatingPointError: nan loss" in logs[3]
@@ -199,10 +225,20 @@ def test_program_groups_ignore_seed_and_lag(tmp_path):
 
 # --------------------------------------------------------------------------- statistics
 
-@pytest.mark.parametrize("p,df,expected", [(0.975, 4, 2.7764), (0.975, 1, 12.7062),
-                                           (0.975, 2, 4.3027), (0.975, 30, 2.0423),
-                                           (0.995, 10, 3.1693), (0.95, 5, 2.0150),
-                                           (0.5, 3, 0.0), (0.025, 4, -2.7764)])
+
+@pytest.mark.parametrize(
+    "p,df,expected",
+    [
+        (0.975, 4, 2.7764),
+        (0.975, 1, 12.7062),
+        (0.975, 2, 4.3027),
+        (0.975, 30, 2.0423),
+        (0.995, 10, 3.1693),
+        (0.95, 5, 2.0150),
+        (0.5, 3, 0.0),
+        (0.025, 4, -2.7764),
+    ],
+)
 def test_t_quantile_against_tables(p, df, expected):
     assert stats.t_quantile(p, df) == pytest.approx(expected, abs=1e-4)
 
@@ -245,8 +281,12 @@ def records(evals, mismatch, q=None):
     for step, v in evals.items():
         rows.append({"step": step, "eval/pass@1": v})
     for i, m in enumerate(mismatch):
-        row = {"step": i + 1, "loss/mismatch": m, "lag/mean": float(i % 3),
-               "train/reward_mean": 0.5}
+        row = {
+            "step": i + 1,
+            "loss/mismatch": m,
+            "lag/mean": float(i % 3),
+            "train/reward_mean": 0.5,
+        }
         if q is not None:
             row.update({"loss/sat/q": q[i], "loss/sat/binding_rate": 0.01 * i})
         rows.append(row)
@@ -254,12 +294,20 @@ def records(evals, mismatch, q=None):
 
 
 def test_summarize_run_hand_computed():
-    r = records({0: 0.2, 4: 0.6, 8: 0.5}, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8],
-                q=[1, 2, 3, 4, 5, 6, 7, 8])
+    r = records(
+        {0: 0.2, 4: 0.6, 8: 0.5},
+        [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8],
+        q=[1, 2, 3, 4, 5, 6, 7, 8],
+    )
     r.append({"step": 8, "eval/pass@1": 0.55})  # a resumed step logged again: the later wins
     s = stats.summarize_run(r)
     assert (s["base"], s["best"], s["best_step"], s["final"], s["final_step"]) == (
-        0.2, 0.6, 4, 0.55, 8)
+        0.2,
+        0.6,
+        4,
+        0.55,
+        8,
+    )
     # The last 25% of 8 steps: steps 7 and 8 (i = 6, 7: lag i % 3 = 0, 1).
     assert s["mismatch_t25"] == pytest.approx(0.75) and s["q_t25"] == pytest.approx(7.5)
     assert s["binding_t25"] == pytest.approx(0.065) and s["lag_t25"] == pytest.approx(0.5)
@@ -274,7 +322,8 @@ def test_markdown_table():
     with pytest.raises(ValueError, match="1 cells for 2 headers"):
         stats.markdown_table(["a", "b"], [[1]])
     assert stats.fmt_paired({"n": 3, "mean": 0.1, "lo": -0.05, "hi": 0.25, "wins": 2}) == (
-        "+0.100 [-0.050, +0.250] (n=3, 2/3 up)")
+        "+0.100 [-0.050, +0.250] (n=3, 2/3 up)"
+    )
 
 
 def _fake_study(tmp_path, finals):
@@ -293,11 +342,22 @@ def _fake_study(tmp_path, finals):
 
 
 def test_results_files_from_a_fake_study(tmp_path):
-    finals = {("grpo", 1): [0.5, 0.6, 0.7], ("grpo", 8): [0.4, 0.4, 0.5],
-              ("sat_grpo", 1): [0.5, 0.6, 0.8], ("sat_grpo", 8): [0.5, 0.5, 0.7]}
+    finals = {
+        ("grpo", 1): [0.5, 0.6, 0.7],
+        ("grpo", 8): [0.4, 0.4, 0.5],
+        ("sat_grpo", 1): [0.5, 0.6, 0.8],
+        ("sat_grpo", 8): [0.5, 0.5, 0.7],
+    }
     g, runs = _fake_study(tmp_path, finals)
-    out = report.write(str(tmp_path), g, runs, command="sat-jax compare --grid envelope",
-                       lag_mode="broadcast", overrides=[], invocation={"seconds": 3.0})
+    out = report.write(
+        str(tmp_path),
+        g,
+        runs,
+        command="sat-jax compare --grid envelope",
+        lag_mode="broadcast",
+        overrides=[],
+        invocation={"seconds": 3.0},
+    )
     with open(out["csv"]) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 12 and rows[0]["method"] == "grpo" and rows[0]["status"] == "finished"
@@ -316,20 +376,26 @@ def test_results_files_from_a_fake_study(tmp_path):
     assert env[(1e-4, 8)]["mismatch"] == pytest.approx(0.08)
     for p in out["plots"]:
         assert os.path.getsize(p) > 0
-    assert {os.path.basename(p) for p in out["plots"]} == {"accuracy.png", "mismatch.png",
-                                                           "envelope.png"}
+    assert {os.path.basename(p) for p in out["plots"]} == {
+        "accuracy.png",
+        "mismatch.png",
+        "envelope.png",
+    }
 
 
 # --------------------------------------------------------------------------- shared train step
 
+
 def test_train_step_cache_key(monkeypatch):
     built = []
-    monkeypatch.setattr(components.trainer, "make_train_step",
-                        lambda *a, **k: built.append(a) or object())
+    monkeypatch.setattr(
+        components.trainer, "make_train_step", lambda *a, **k: built.append(a) or object()
+    )
     monkeypatch.setattr(components, "_TRAIN_STEPS", type(components._TRAIN_STEPS)())
     monkeypatch.setattr(components, "SHARE_TRAIN_STEPS", True)
-    parts = types.SimpleNamespace(model_cfg="model", spec="spec", mesh="mesh", graphdef="g",
-                                  optimizer="opt")
+    parts = types.SimpleNamespace(
+        model_cfg="model", spec="spec", mesh="mesh", graphdef="g", optimizer="opt"
+    )
 
     def config(**fields):
         c = study_grid.method_config("grpo")
@@ -351,6 +417,7 @@ def test_train_step_cache_key(monkeypatch):
 
 # --------------------------------------------------------------------------- command line
 
+
 @pytest.fixture
 def no_training(monkeypatch):
     def refuse(*args, **kwargs):
@@ -365,19 +432,24 @@ def run_cli(capsys, *args):
     return rc, out.out, out.err
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--grid=nope"], "unknown grid 'nope'"),
-    (["--grid=core", "--lags=1,x"], "--lags needs a comma-separated list of integers"),
-    (["--grid=core", "--lags=-1"], "--lags values must be >= 0"),
-    (["--grid=core", "--seeds=0"], "--seeds must be >= 1"),
-    (["--grid=envelope", "--lrs=0"], "--lrs needs positive finite numbers"),
-    (["--grid=core", "--methods=grpo,bogus"], "--methods: unknown method"),
-    (["--grid=core", "--baseline=dpo"], "--baseline 'dpo' is not one of"),
-    (["--grid=core", "--set", "lag=2"], "--set lag: the grid sets this field"),
-    (["--grid=core", "--set", "optim.nope=2"], "unknown config field 'optim.nope'"),
-    (["--grid=core", "--set", "optim.learning_rate=-1"],
-     "run grpo_r3-broadcast1-lr-1-seed0: invalid config: optim.learning_rate must be > 0"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--grid=nope"], "unknown grid 'nope'"),
+        (["--grid=core", "--lags=1,x"], "--lags needs a comma-separated list of integers"),
+        (["--grid=core", "--lags=-1"], "--lags values must be >= 0"),
+        (["--grid=core", "--seeds=0"], "--seeds must be >= 1"),
+        (["--grid=envelope", "--lrs=0"], "--lrs needs positive finite numbers"),
+        (["--grid=core", "--methods=grpo,bogus"], "--methods: unknown method"),
+        (["--grid=core", "--baseline=dpo"], "--baseline 'dpo' is not one of"),
+        (["--grid=core", "--set", "lag=2"], "--set lag: the grid sets this field"),
+        (["--grid=core", "--set", "optim.nope=2"], "unknown config field 'optim.nope'"),
+        (
+            ["--grid=core", "--set", "optim.learning_rate=-1"],
+            "run grpo_r3-broadcast1-lr-1-seed0: invalid config: optim.learning_rate must be > 0",
+        ),
+    ],
+)
 def test_cli_grid_errors_exit_2(capsys, tmp_path, no_training, args, message):
     rc, _, err = run_cli(capsys, "compare", *args, f"--out={tmp_path}/s")
     assert rc == 2 and err.startswith("sat-jax: error: ") and message in err, err
@@ -399,10 +471,24 @@ def test_cli_compare_help_names_both_uses(capsys):
 
 
 def test_lag_rows_pair_each_method_with_its_lowest_lag():
-    rows = [{"method": m, "lag_mode": "broadcast", "lag": lag, "lr": 1e-4, "seed": s,
-             "final": f, "best": f}
-            for m, lag, s, f in [("a", 1, 0, 0.5), ("a", 1, 1, 0.6), ("a", 8, 0, 0.3),
-                                 ("a", 8, 1, 0.5), ("b", 8, 0, 0.9)]]
+    rows = [
+        {
+            "method": m,
+            "lag_mode": "broadcast",
+            "lag": lag,
+            "lr": 1e-4,
+            "seed": s,
+            "final": f,
+            "best": f,
+        }
+        for m, lag, s, f in [
+            ("a", 1, 0, 0.5),
+            ("a", 1, 1, 0.6),
+            ("a", 8, 0, 0.3),
+            ("a", 8, 1, 0.5),
+            ("b", 8, 0, 0.9),
+        ]
+    ]
     (a8, b8) = stats.lag_rows(rows)
     assert (a8["method"], a8["lag"], a8["from_lag"]) == ("a", 8, 1)
     assert a8["final"]["mean"] == pytest.approx(-0.15) and a8["final"]["n"] == 2
@@ -410,8 +496,13 @@ def test_lag_rows_pair_each_method_with_its_lowest_lag():
 
 
 def test_cli_grid_refuses_config_flags(capsys, tmp_path, no_training):
-    rc, _, err = run_cli(capsys, "compare", "--grid=core", f"--out={tmp_path}",
-                         f"--config={cli.defaults_module.__file__}")
+    rc, _, err = run_cli(
+        capsys,
+        "compare",
+        "--grid=core",
+        f"--out={tmp_path}",
+        f"--config={cli.defaults_module.__file__}",
+    )
     assert rc == 2 and "change fields with --set KEY=VALUE, not --config" in err
 
 
@@ -420,8 +511,11 @@ def test_cli_compare_run_dirs_still_overlays(capsys, tmp_path):
     for seed in range(2):
         d = tmp_path / f"sat-seed{seed}"
         d.mkdir()
-        (d / "metrics.jsonl").write_text("".join(
-            json.dumps(r) + "\n" for r in records({0: 0.2, 2: 0.3 + 0.1 * seed}, [0.1, 0.2])))
+        (d / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps(r) + "\n" for r in records({0: 0.2, 2: 0.3 + 0.1 * seed}, [0.1, 0.2])
+            )
+        )
         dirs.append(str(d))
     rc, out, _ = run_cli(capsys, "compare", *dirs, f"--out={tmp_path / 'c.png'}")
     assert rc == 0 and out.strip() == str(tmp_path / "c.png") and (tmp_path / "c.png").is_file()

@@ -9,12 +9,28 @@ from _study_cli import invoke
 
 from sat_jax.rl import components, learner
 
-TINY = ["num_steps=2", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
-        "model.num_kv_heads=1", "model.head_dim=16", "model.num_experts=4",
-        "model.num_experts_per_tok=2", "model.moe_intermediate_size=16",
-        "rollout.prompts_per_step=4", "rollout.group_size=4", "data.max_new_tokens=4",
-        "sft.steps=3", "sft.batch_size=16", "eval.every=2", "eval.num_prompts=8",
-        "checkpoint.every=0", "log.plots=false", "log.tensorboard=false", "mesh.data=1"]
+TINY = [
+    "num_steps=2",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=16",
+    "model.num_experts=4",
+    "model.num_experts_per_tok=2",
+    "model.moe_intermediate_size=16",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "data.max_new_tokens=4",
+    "sft.steps=3",
+    "sft.batch_size=16",
+    "eval.every=2",
+    "eval.num_prompts=8",
+    "checkpoint.every=0",
+    "log.plots=false",
+    "log.tensorboard=false",
+    "mesh.data=1",
+]
 
 
 def run_cli(*args):
@@ -24,9 +40,17 @@ def run_cli(*args):
 def test_toy_grid_trains_shares_the_step_and_resumes(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(components, "_TRAIN_STEPS", type(components._TRAIN_STEPS)())
     out = tmp_path / "study"
-    args = ["compare", "--grid=core", "--methods=grpo", "--baseline=grpo", "--lags=1,2",
-            "--seeds=1", f"--out={out}", *(f"--set={s}" for s in TINY),
-            f"--set=sft.cache_dir={tmp_path / 'cache'}"]
+    args = [
+        "compare",
+        "--grid=core",
+        "--methods=grpo",
+        "--baseline=grpo",
+        "--lags=1,2",
+        "--seeds=1",
+        f"--out={out}",
+        *(f"--set={s}" for s in TINY),
+        f"--set=sft.cache_dir={tmp_path / 'cache'}",
+    ]
     assert run_cli(*args) == 0
     names = ["grpo-broadcast1-lr0.0001-seed0", "grpo-broadcast2-lr0.0001-seed0"]
     for name in names:
