@@ -32,6 +32,8 @@ CSV_COLUMNS = (
     "final",
     "final_step",
     "collapsed",
+    "tail20",
+    "collapse_step",
     "mismatch_t25",
     "q_t25",
     "binding_t25",

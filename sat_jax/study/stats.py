@@ -170,6 +170,8 @@ def summarize_run(
       training steps (at least one step) of that metric; NaN where the run does not log it
       (``q`` and ``binding`` exist only for SAT objectives).
     * ``steps``: training steps logged; ``collapsed``: ``rule(base, best, final)``.
+    * ``tail20``: :func:`tail_mean` (the last 20% of evaluations); ``collapse_step``: the step
+      :data:`SUSTAINED_RULE` finds the run collapsed at, or None.
     """
     if not 0 < trailing <= 1:
         raise ValueError(f"trailing must be in (0, 1], got {trailing}")
@@ -202,6 +204,8 @@ def summarize_run(
         values = [v for s, v in _by_step(records, key).items() if s in window and math.isfinite(v)]
         out[f"{name}_t25"] = float(np.mean(values)) if values else math.nan
     out["collapsed"] = rule(base, best, final)
+    out["tail20"] = tail_mean(records, 0.2)
+    out["collapse_step"] = SUSTAINED_RULE.step(records)
     return out
 
 
@@ -540,6 +544,10 @@ def wilcoxon_signed_rank(d: Sequence[float]) -> dict[str, Any]:
         z = abs(w_plus - mean) / math.sqrt(var)
         p = math.erfc(z / math.sqrt(2))
     return {"n": n, "w_plus": w_plus, "p": min(1.0, p)}
+
+
+#: The staleness study's collapse rule (docs/results/stale/PROTOCOL.md).
+SUSTAINED_RULE = SustainedCollapse()
 
 
 def mcnemar_exact(x: Mapping[int, bool], y: Mapping[int, bool]) -> dict[str, Any]:

@@ -312,6 +312,7 @@ def test_summarize_run_hand_computed():
     assert s["mismatch_t25"] == pytest.approx(0.75) and s["q_t25"] == pytest.approx(7.5)
     assert s["binding_t25"] == pytest.approx(0.065) and s["lag_t25"] == pytest.approx(0.5)
     assert s["steps"] == 8 and s["collapsed"] is False
+    assert s["tail20"] == pytest.approx(0.55) and s["collapse_step"] is None  # 1 of 2 evals
     plain = stats.summarize_run(records({0: 0.2, 4: 0.1}, [0.1, 0.2]))
     assert math.isnan(plain["q_t25"]) and plain["collapsed"] is True
     assert plain["mismatch_t25"] == pytest.approx(0.2)  # ceil(0.25 · 2) = 1 step
