@@ -68,6 +68,9 @@ class Grid:
     lrs: tuple[float, ...] | None = None
     seeds: int = 3
     description: str = ""
+    #: (treatment, control): the pre-registered comparison whose lag interaction results.md tests
+    #: (``sat_jax.study.stats.primary_tests``); None for exploratory grids.
+    primary: tuple[str, str] | None = None
 
 
 GRIDS: dict[str, Grid] = {

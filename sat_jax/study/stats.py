@@ -582,3 +582,73 @@ def interaction(
     out = paired(hi, lo, level=level)
     out["wilcoxon"] = wilcoxon_signed_rank([hi[s] - lo[s] for s in out["seeds"]])
     return out
+
+
+def _collapsed(rows, method: str, lag: int, lr: float) -> dict[int, bool]:
+    return {
+        int(r["seed"]): r.get("collapse_step") not in (None, "")
+        for r in rows
+        if r["method"] == method and int(r["lag"]) == lag and float(r["lr"]) == lr
+    }
+
+
+def primary_tests(
+    rows: Sequence[Mapping[str, Any]], treatment: str, control: str, *, key: str = "tail20"
+) -> list[dict[str, Any]]:
+    """Per learning rate and each method of ``rows`` other than ``control``: the interaction of
+    (method − control) between the lowest and the highest lag on ``key`` (:func:`interaction`),
+    and exact McNemar tests of sustained collapse (``collapse_step`` set) against ``control`` at
+    each of the two lags. The entry of ``treatment`` comes first and has ``primary`` True."""
+    out = []
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != control))
+    methods.sort(key=lambda m: m != treatment)
+    for lr in sorted({float(r["lr"]) for r in rows}):
+        lags = sorted({int(r["lag"]) for r in rows if float(r["lr"]) == lr})
+        if len(lags) < 2:
+            continue
+        lo, hi = lags[0], lags[-1]
+        for m in methods:
+            x = {lag: by_seed(rows, m, lag, lr, key) for lag in (lo, hi)}
+            c = {lag: by_seed(rows, control, lag, lr, key) for lag in (lo, hi)}
+            out.append(
+                {
+                    "method": m,
+                    "primary": m == treatment,
+                    "lr": lr,
+                    "lags": (lo, hi),
+                    "interaction": interaction(x[hi], c[hi], x[lo], c[lo]),
+                    "diff_lo": paired(x[lo], c[lo]),
+                    "diff_hi": paired(x[hi], c[hi]),
+                    **{
+                        f"mcnemar_{name}": mcnemar_exact(
+                            _collapsed(rows, m, lag, lr), _collapsed(rows, control, lag, lr)
+                        )
+                        for name, lag in (("lo", lo), ("hi", hi))
+                    },
+                }
+            )
+    return out
+
+
+def arm_summary(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per (method, lag, lr): seeds, tail20 mean ± sd, sustained collapses and their steps."""
+    out = []
+    for (method, mode, lag, lr), group in cells(rows).items():
+        steps = sorted(
+            int(r["collapse_step"]) for r in group if r.get("collapse_step") not in (None, "")
+        )
+        mean, sd, n = mean_sd(r.get("tail20", math.nan) for r in group)
+        out.append(
+            {
+                "method": method,
+                "lag_mode": mode,
+                "lag": lag,
+                "lr": lr,
+                "n": len(group),
+                "tail20": mean,
+                "tail20_sd": sd,
+                "collapses": len(steps),
+                "collapse_steps": steps,
+            }
+        )
+    return out

@@ -4,6 +4,7 @@ paired statistics against hand-computed cases, the tables and results files, the
 step's key, and the command line's errors (exit 2 before anything runs)."""
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import math
@@ -380,8 +381,34 @@ def test_results_files_from_a_fake_study(tmp_path):
     assert {os.path.basename(p) for p in out["plots"]} == {
         "accuracy.png",
         "mismatch.png",
+        "q.png",
+        "binding.png",
         "envelope.png",
     }
+
+
+def test_pre_registered_section_tests_the_lag_interaction(tmp_path):
+    finals = {
+        ("grpo", 1): [0.5, 0.6, 0.7],
+        ("grpo", 8): [0.4, 0.4, 0.5],
+        ("sat_grpo", 1): [0.5, 0.6, 0.8],
+        ("sat_grpo", 8): [0.5, 0.5, 0.7],
+    }
+    g, runs = _fake_study(tmp_path, finals)
+    g = dataclasses.replace(g, primary=("sat_grpo", "grpo"))
+    out = report.write(
+        str(tmp_path), g, runs, command="c", lag_mode="broadcast", overrides=[], plots=False
+    )
+    # tail20 = the last of 2 evaluations = final. Interaction per seed:
+    # (sat8 − grpo8) − (sat1 − grpo1) = (0.1, 0.1, 0.2) − (0, 0, 0.1) = (0.1, 0.1, 0.1).
+    (e,) = stats.primary_tests(out["rows"], "sat_grpo", "grpo")
+    assert e["primary"] and e["lags"] == (1, 8)
+    assert e["interaction"]["mean"] == pytest.approx(0.1) and e["interaction"]["wins"] == 3
+    assert e["interaction"]["wilcoxon"]["p"] == pytest.approx(2 / 8)
+    assert e["mcnemar_hi"] == {"n": 3, "b": 0, "c": 0, "p": 1.0}
+    md = open(out["md"]).read()
+    assert "## Pre-registered tests" in md and "**SAT-GRPO** (primary)" in md
+    assert "| SAT-GRPO | 8 | 0.0001 | 3 | 0.567 ± 0.115 | 0/3 | – |" in md
 
 
 # --------------------------------------------------------------------------- shared train step
