@@ -2,7 +2,10 @@
 difficulty mixtures, the warm-up's corrupted share and the config's length check."""
 
 import collections
+import importlib.util
+import pathlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -18,6 +21,7 @@ from sat_jax.data import (
     task_from_config,
 )
 from sat_jax.data.tasks import apportion
+from sat_jax.models import ModelConfig, abstract_params
 from sat_jax.rl.sft import corrupt_pairs, layout_pairs
 
 # ---------------------------------------------------------------- long multiplication
@@ -280,3 +284,21 @@ def test_corrupt_share_is_checked():
     c.sft.corrupt_share = -0.1
     with pytest.raises(ConfigError, match=r"sft.corrupt_share must be in \[0, 1\], got -0.1"):
         validate(c)
+
+
+def test_stale_base_preset_validates_and_has_the_stated_size():
+    path = pathlib.Path(__file__).parents[2] / "configs" / "stale_base.py"
+    spec = importlib.util.spec_from_file_location("stale_base", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    validate(c)
+    assert c.data.task == "long_multiplication" and c.lag == 1
+    fields = c.model.to_dict()
+    fields.pop("hf_path")
+    cfg = ModelConfig(vocab_size=CharTokenizer().vocab_size, **fields)
+    size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params(cfg)))
+    d, v, e, f = 128, 52, 64, 32  # width, char vocab, experts, expert width
+    attention = d * 4 * 32 + 2 * d * 2 * 32 + 4 * 32 * d + 2 * 32  # q, k, v, o, q/k norms
+    block = attention + 2 * d + d * e + e * 3 * d * f  # + 2 norms, router, SwiGLU experts
+    assert size == 4 * block + 2 * v * d + d == 3_389_824
