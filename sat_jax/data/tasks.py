@@ -100,20 +100,34 @@ class Task(abc.ABC):
                 return target[:cut] + wrong
 
 
-class _ArithmeticSplit(Sequence):
-    """Lazy sequence of arithmetic examples built from operand arrays on access."""
+class _LazySplit(Sequence):
+    """A split whose examples are built on access: ``_example(i)`` for 0 <= i < ``_size``."""
 
-    def __init__(self, a: np.ndarray, b: np.ndarray, op: str, split: str):
-        self._a, self._b, self._op, self._split = a, b, op, split
+    _split: str
+    _size: int
 
     def __len__(self) -> int:
-        return len(self._a)
+        return self._size
 
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {self._split} split of size {len(self)}")
+        return self._example(i)
+
+    @abc.abstractmethod
+    def _example(self, i: int) -> Example: ...
+
+
+class _ArithmeticSplit(_LazySplit):
+    """Lazy sequence of arithmetic examples built from operand arrays on access."""
+
+    def __init__(self, a: np.ndarray, b: np.ndarray, op: str, split: str):
+        self._a, self._b, self._op, self._split = a, b, op, split
+        self._size = len(a)
+
+    def _example(self, i: int) -> Example:
         a, b = int(self._a[i]), int(self._b[i])
         answer = a + b if self._op == "+" else a * b
         return {"prompt": f"{a}{self._op}{b}=", "answer": str(answer), "a": a, "b": b}
@@ -283,20 +297,14 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
     return [int(c) for c in counts]
 
 
-class _MixtureSplit(Sequence):
+class _MixtureSplit(_LazySplit):
     """Lazy sequence of examples: entry ``i`` is instance ``rows[i]`` of level ``levels[i]``."""
 
     def __init__(self, task: _MixtureTask, levels: np.ndarray, rows: np.ndarray, split: str):
         self._task, self._levels, self._rows, self._split = task, levels, rows, split
+        self._size = len(levels)
 
-    def __len__(self) -> int:
-        return len(self._levels)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"index {i} out of range for {self._split} split of size {len(self)}")
+    def _example(self, i: int) -> Example:
         return self._task.example(int(self._levels[i]), int(self._rows[i]))
 
 
