@@ -34,6 +34,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.source = "task"  # task | jsonl | tfds
     c.data.task = "addition"
     c.data.num_digits = 2
+    # Difficulty mixture of long_multiplication ("AxB" operand digits) and sort_digits ("N"
+    # digits) as "LEVEL:WEIGHT,..." (e.g. "3x3:2,4x3:1"); "" takes the task's default. Ignored
+    # (and must stay "") for addition and multiplication, which use num_digits.
+    c.data.mixture = ""
     c.data.eval_size = 256
     c.data.path = ""  # jsonl file
     c.data.eval_path = ""  # held-out jsonl file ("" evaluates on the first prompts of data.path)
@@ -141,6 +145,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.steps = 400
     c.sft.batch_size = 64
     c.sft.learning_rate = 3e-3
+    # Share of warm-up traces whose final answer is redrawn wrong (exactly round(share * pairs),
+    # chosen by the seed): a weak base policy with reward to gain, at a stated corruption.
+    c.sft.corrupt_share = 0.0
     c.sft.cache_dir = os.path.join("~", ".cache", "sat_jax")
 
     c.eval = ml_collections.ConfigDict()

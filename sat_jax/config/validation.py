@@ -198,12 +198,7 @@ def _check_data(config) -> None:
         if d[name] < 1:
             _fail(f"data.{name} must be >= 1, got {d[name]}")
     if d.source == "task":
-        from sat_jax.data import make_task
-
-        try:
-            make_task(d.task, num_digits=d.num_digits, eval_size=d.eval_size, seed=0)
-        except (ValueError, KeyError, TypeError) as e:
-            _fail(f"data.task={d.task!r}: {e}")
+        _check_task_lengths(config)
     if d.source == "jsonl":
         for what, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
             if (path or what == "data.path") and not os.path.isfile(os.path.expanduser(path)):
@@ -218,6 +213,31 @@ def _check_data(config) -> None:
             _fail(f"{what} {path!r} does not exist")
     if config.model.hf_path and d.tokenizer == "char":
         _fail("model.hf_path needs the checkpoint's tokenizer: set data.tokenizer to its directory")
+
+
+def _check_task_lengths(config) -> None:
+    """The built-in task builds, and its longest prompt (with BOS) and longest supervised
+    response (with EOS) fit data.max_prompt_len and data.max_new_tokens under the character
+    tokenizer (one token per character); other tokenizers are checked when the source is built."""
+    from sat_jax.data import task_from_config
+
+    d = config.data
+    try:
+        task = task_from_config(d)
+    except (ValueError, KeyError, TypeError) as e:
+        where = f"data.task={d.task!r}" + (f", data.mixture={d.mixture!r}" if d.mixture else "")
+        _fail(f"{where}: {e}")
+    if d.tokenizer != "char":
+        return
+    for field, need, what in (
+        ("max_prompt_len", task.max_prompt_chars + 1, "prompt (BOS included)"),
+        ("max_new_tokens", task.max_target_chars + 1, "response (EOS included)"),
+    ):
+        if d[field] < need:
+            _fail(
+                f"data.{field}={d[field]} is shorter than task {task.name!r}'s longest {what}, "
+                f"{need} tokens: set data.{field} >= {need}"
+            )
 
 
 def _check_rollout(config, num_devices: int, num_processes: int) -> None:
@@ -298,6 +318,8 @@ def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
             f"sft.steps must be >= 0, sft.batch_size >= 1 and sft.learning_rate > 0, got "
             f"{s.steps}, {s.batch_size}, {s.learning_rate}"
         )
+    if not 0.0 <= s.corrupt_share <= 1.0:
+        _fail(f"sft.corrupt_share must be in [0, 1], got {s.corrupt_share}")
     if config.eval.every < 0 or config.checkpoint.every < 0:
         _fail("eval.every and checkpoint.every must be >= 0 (0 disables)")
     if config.eval.num_prompts < 1:

@@ -20,8 +20,8 @@ from sat_jax.data import (
     JsonlSource,
     TaskSource,
     TfdsSource,
-    make_task,
     qwen_chat_prompt,
+    task_from_config,
 )
 from sat_jax.models import ModelConfig, init_model, load_hf, param_shardings
 from sat_jax.rl import sft, trainer
@@ -33,7 +33,7 @@ def build_sources(config):
     """(train source, held-out eval examples, task or None) from ``config.data``."""
     d = config.data
     if d.source == "task":
-        task = make_task(d.task, num_digits=d.num_digits, eval_size=d.eval_size, seed=0)
+        task = task_from_config(d)
         return TaskSource(task, "train"), TaskSource(task, "eval"), task
     if d.source == "jsonl":
 
@@ -139,6 +139,7 @@ def build(config, log=lambda msg: None) -> Components:
             prompt_width=prompt_width,
             response_width=response_width,
             cache_dir=config.sft.cache_dir,
+            corrupt_share=config.sft.corrupt_share,
             cache_spec={
                 "model": config.model.to_dict(),
                 "data": config.data.to_dict(),
