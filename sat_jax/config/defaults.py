@@ -192,9 +192,12 @@ def get_config() -> ml_collections.ConfigDict:
     return c
 
 
-def method_config(name: str, objective: str, *, r3: bool, correction: str = "none", **loss):
-    """The default run with one method of the paper's grid (Table 1) swapped in."""
-    c = get_config()
+def method_config(
+    name: str, objective: str, *, r3: bool, correction: str = "none", base=None, **loss
+):
+    """A base run (``base()``, default :func:`get_config`) with one method of the paper's grid
+    (Table 1) swapped in."""
+    c = (base or get_config)()
     c.name = name
     c.loss.objective = objective
     c.loss.r3 = r3

@@ -16,6 +16,7 @@ from _study_cli import invoke
 
 from sat_jax import cli
 from sat_jax import config as config_lib
+from sat_jax.config import presets
 from sat_jax.rl import components
 from sat_jax.study import grid as study_grid
 from sat_jax.study import report, runner, stats
@@ -42,6 +43,19 @@ def test_paper_core_envelope_sizes_and_names(tmp_path):
     assert c.resume is True
     core = {spec.method for spec, _ in study_grid.expand(study_grid.resolve("core"), "x")}
     assert core == {"grpo_r3", "gspo_r3", "dppo", "sat_grpo_r3", "sat_gspo_r3"}
+
+
+def test_a_preset_grid_starts_every_run_from_its_preset(tmp_path):
+    runs = study_grid.expand(study_grid.resolve("stale-phase0"), str(tmp_path))
+    assert len(runs) == 2 * 2 * 3 * 1  # grpo, sat_grpo × lags 1, 8 × 3 lrs × 1 seed
+    base = presets.stale_base()
+    for spec, c in runs:
+        assert c.data.task == base.data.task == "long_multiplication"
+        assert c.model.num_experts == base.model.num_experts and c.loss.r3 is False
+        assert c.loss.objective == {"grpo": "ppo", "sat_grpo": "sat"}[spec.method]
+        assert c.name == spec.method and c.optim.learning_rate == spec.lr
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        study_grid.method_config("grpo", "nope")
 
 
 @pytest.mark.parametrize(
