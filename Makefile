@@ -17,8 +17,9 @@ $(VENV)/.installed-$(PIP_EXTRAS): pyproject.toml
 install: $(VENV)/.installed-$(PIP_EXTRAS)
 
 # glibc >= 2.35: transparent huge pages for malloc'd memory. XLA:CPU takes a fresh temporary
-# buffer every execution, and with 4 KiB pages a log-prob pass page-faults ~38,000 times
-# (README, "Benchmarks"); older glibc ignores the unknown tunable. Override with GLIBC_TUNABLES=.
+# buffer every execution, and with 4 KiB pages each execution page-faults on all of it
+# (docs/system.md, "Page faults"); older glibc ignores the unknown tunable. Override with
+# GLIBC_TUNABLES=.
 GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 export GLIBC_TUNABLES
 
