@@ -23,6 +23,7 @@ import os
 import platform
 import time
 
+import _results
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -237,6 +238,7 @@ def main():
         s: bench_shape(s, a.repeats, blocks, with_torch, paths) for s in a.shapes.split(",")
     }
     print(json.dumps(res, indent=1))
+    _results.write("moe", res)
 
 
 if __name__ == "__main__":
