@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PIP_EXTRAS ?= test,hf
 
-.PHONY: install train test lint bench
+.PHONY: install train test lint bench report
 
 $(VENV)/.installed-$(PIP_EXTRAS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,14 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The short benchmarks, then docs/benchmarks.md from every result in benchmarks/results/. The
+# long ones and the peers run by name (benchmarks/README.md); `make report` only re-renders.
 bench: install
-	$(VENV)/bin/python benchmarks/losses.py
+	$(VENV)/bin/python benchmarks/losses.py --repeats 10
 	$(VENV)/bin/python benchmarks/sampler.py
-	$(VENV)/bin/python benchmarks/loop.py
+	$(VENV)/bin/python benchmarks/moe.py --no-torch --repeats 10
+	$(VENV)/bin/python benchmarks/logprobs.py --quick
+	$(VENV)/bin/python benchmarks/report.py
+
+report: install
+	$(VENV)/bin/python benchmarks/report.py

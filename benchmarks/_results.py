@@ -42,12 +42,13 @@ def _cpu_model() -> str:
 
 
 def provenance() -> dict:
-    """Commit (``+dirty`` when the library or the benchmarks have uncommitted changes), date,
-    machine, load average, versions."""
+    """Commit (``+dirty`` when the library or the running script differ from it), date, machine,
+    load average, versions."""
     import jax
 
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    if _git("status", "--porcelain", "--", "../sat_jax", "."):
+    code = ["../sat_jax", os.path.abspath(sys.argv[0]), "_timing.py", "_results.py"]
+    if _git("status", "--porcelain", "--untracked-files=no", "--", *code):
         commit += "+dirty"
     return {
         "commit": commit,

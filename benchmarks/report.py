@@ -119,7 +119,7 @@ def _tables(obj: dict, title: str = "") -> list[str]:
     if scalars:
         if title:
             out += [f"**{title}**", ""]
-        out += ["| | |", "|---|---|"]
+        out += ["| figure | value |", "|---|---|"]
         out += [f"| {k} | {_fmt(v)} |" for k, v in scalars.items()]
         out.append("")
     for k, v in nested.items():
@@ -131,7 +131,7 @@ def _tables(obj: dict, title: str = "") -> list[str]:
             and v
             and all(isinstance(x, dict) and all(_scalar(y) for y in x.values()) for x in v.values())
         ):
-            rows = [{"": key, **rec} for key, rec in v.items()]
+            rows = [{"case": key, **rec} for key, rec in v.items()]
             out += [f"**{name}**", "", *_row_table(rows), ""]
         elif isinstance(v, dict):
             out += _tables(v, name)
@@ -161,12 +161,11 @@ def render(records: list[dict]) -> str:
     records = sorted(records, key=lambda r: (order.get(r["benchmark"], len(order)), r["benchmark"]))
     lines = [HEADER]
     if records:
-        lines += ["| benchmark | measures |", "|---|---|"]
         for r in records:
-            title, what = ABOUT.get(r["benchmark"], (r["benchmark"], ""))
+            title = ABOUT.get(r["benchmark"], (r["benchmark"], ""))[0]
             anchor = title.lower().replace(" ", "-")
             anchor = "".join(c for c in anchor if c.isalnum() or c in "-_")
-            lines.append(f"| [{title}](#{anchor}) | {what} |")
+            lines.append(f"* [{title}](#{anchor}) (`{r['benchmark']}`)")
         lines.append("")
     for r in records:
         title, what = ABOUT.get(r["benchmark"], (r["benchmark"], ""))
