@@ -7,7 +7,7 @@ with torch and transformers (``--torch-python``), loads that checkpoint with
 ``Qwen3MoeForCausalLM.from_pretrained`` and stays up, timing its side on request, so the two sides
 run in alternating rounds of the same minutes and their ratio is a same-run ratio. Both sides see
 the same tokens: B sequences of a 16-token prompt and N response tokens, all different (no shared
-prompts). Torch uses 2 threads.
+prompts). Torch uses ``--torch-threads`` threads (2 by default).
 
 * forward + backward: the gradient of the summed response log-probs w.r.t. every parameter (ours
   ``jax.value_and_grad`` of ``token_logprobs``, jitted; theirs ``loss.backward()``).
@@ -37,8 +37,9 @@ import numpy as np
 PROMPT = 16
 
 
-def _median_s(fn, repeats: int) -> float:
-    fn()  # warm-up (and compilation on the first round)
+def _median_s(fn, repeats: int, warm: bool = True) -> float:
+    if warm:
+        fn()  # compilation, and the first call's allocations
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -51,11 +52,11 @@ def _median_s(fn, repeats: int) -> float:
 # The torch side: run by --torch-python with `--serve DIR`; imports neither JAX nor sat_jax.
 
 
-def serve(folder: str) -> None:
+def serve(folder: str, threads: int) -> None:
     import torch
     import transformers
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokens = torch.from_numpy(np.load(os.path.join(folder, "tokens.npy")))
@@ -88,11 +89,12 @@ def serve(folder: str) -> None:
         "transformers": transformers.__version__,
         "class": type(model).__name__,
         "params": sum(p.numel() for p in model.parameters()),
+        "threads": torch.get_num_threads(),
     }
     print(json.dumps(info), flush=True)
     for line in sys.stdin:
-        job, repeats = line.split()
-        print(json.dumps(_median_s(jobs[job], int(repeats))), flush=True)
+        job, repeats, warm = line.split()
+        print(json.dumps(_median_s(jobs[job], int(repeats), warm == "1")), flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,9 +104,9 @@ def serve(folder: str) -> None:
 class Peer:
     """The torch process: ``time(job, repeats)`` returns its median seconds."""
 
-    def __init__(self, python: str, folder: str):
+    def __init__(self, python: str, folder: str, threads: int):
         self.proc = subprocess.Popen(
-            [python, os.path.abspath(__file__), "--serve", folder],
+            [python, os.path.abspath(__file__), "--serve", folder, "--torch-threads", str(threads)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -117,8 +119,8 @@ class Peer:
             raise RuntimeError(f"the torch process exited with code {self.proc.wait()}")
         return line
 
-    def time(self, job: str, repeats: int) -> float:
-        self.proc.stdin.write(f"{job} {repeats}\n")
+    def time(self, job: str, repeats: int, warm: bool) -> float:
+        self.proc.stdin.write(f"{job} {repeats} {int(warm)}\n")
         self.proc.stdin.flush()
         return json.loads(self._line())
 
@@ -134,10 +136,17 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128, help="response tokens per sequence")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of each side")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per round")
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=2,
+        help="torch's intra-op threads; 1 on a machine busier than its cores, where two threads "
+        "spin-wait on each other",
+    )
     ap.add_argument("--serve", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        return serve(args.serve)
+        return serve(args.serve, args.torch_threads)
     if not args.torch_python:
         ap.error("--torch-python is required (see the module docstring for the venv)")
 
@@ -176,13 +185,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         save_hf(folder, config, params)
         np.save(os.path.join(folder, "tokens.npy"), tokens)
-        peer = Peer(args.torch_python, folder)
+        peer = Peer(args.torch_python, folder, args.torch_threads)
         rounds = {f"{side}_{job}": [] for side in ("ours", "torch") for job in ours}
         try:
-            for _ in range(args.rounds):
+            for i in range(args.rounds):
                 for job, fn in ours.items():
-                    rounds[f"ours_{job}"].append(_median_s(fn, args.repeats))
-                    rounds[f"torch_{job}"].append(peer.time(job, args.repeats))
+                    print(f"round {i + 1}/{args.rounds}: {job}", file=sys.stderr, flush=True)
+                    rounds[f"ours_{job}"].append(_median_s(fn, args.repeats, warm=i == 0))
+                    rounds[f"torch_{job}"].append(peer.time(job, args.repeats, warm=i == 0))
         finally:
             peer.close()
 
