@@ -49,7 +49,11 @@ ABOUT = {
     "loop": (
         "Host loop",
         "the default run's loop: trainer steps/s, the train step broken down, shared prompts "
-        "against the plain layout, stream against broadcast, and tunix's GRPO loop beside it.",
+        "against the plain layout, stream against broadcast, and tunix's GRPO loop beside it "
+        "(`benchmarks/peers/tunix_grpo.py`, d 64, 2 layers, a dense SwiGLU of 128 for our "
+        "16-expert top-4 MoE of width 32). tunix runs after ours in the same invocation, not "
+        "interleaved with it, so `ours_over_tunix` carries whatever the load did in between; "
+        "`shared_over_plain` likewise.",
     ),
     "runs": (
         "Many runs at once",
@@ -59,7 +63,9 @@ ABOUT = {
         "Against transformers (PyTorch)",
         "the training log-prob pass (forward + backward) and KV-cache decoding of "
         "`ModelConfig.tiny()`, ours against transformers' Qwen3-MoE on the same weights, in "
-        "alternating rounds.",
+        "alternating rounds; `*_torch_over_ours` > 1 means ours is faster. With more runnable "
+        "processes than cores, torch runs one thread (`--torch-threads 1`): two spin-wait on "
+        "each other there.",
     ),
     "scale": (
         "Qwen3-30B-A3B on a fake mesh",
