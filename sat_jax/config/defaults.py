@@ -75,7 +75,7 @@ def get_config() -> ml_collections.ConfigDict:
     # (the reference, every expert for every token) | ragged | blocked (sat_jax/models/moe.py).
     c.model.moe_impl = "auto"
     # Blocks per iteration of the scan over stacked blocks (ModelConfig.scan_unroll): 2 makes the
-    # 2-block default straight-line code, ~20 % faster training on CPU; 1 = one compiled body.
+    # 2-block default straight-line code, with no per-layer loop costs; 1 = one compiled body.
     c.model.scan_unroll = 2
     # Queries per attention chunk (ModelConfig.attention_chunk): 0 = all at once; c > 0 keeps at
     # most [rows, heads, c, keys] scores live (long sequences; same values).

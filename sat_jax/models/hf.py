@@ -38,7 +38,7 @@ distinct shards of one parameter (one copy of it). Saving gathers one block row 
 at a time (one layer's expert stack).
 
 The numerics match ``transformers``' ``Qwen3MoeForCausalLM`` / ``Qwen3ForCausalLM`` (Yang et al.
-2025, "Qwen3 Technical Report"): see ``tests/hf/test_parity.py``.
+2025, "Qwen3 Technical Report"): see ``tests/hf/test_hf_parity.py``.
 """
 
 from __future__ import annotations

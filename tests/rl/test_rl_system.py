@@ -540,7 +540,12 @@ def test_jsonl_source_runs_through_the_learner(tmp_path, cache_dir):
     config.eval.every, config.eval.num_prompts = 2, 8
     summary = learner.train(config, quiet=True)
     assert summary["end_step"] == 2
-    assert 0.0 <= summary["final_eval"]["pass@1"] <= 1.0  # scored by the numeric verifier
+    final = summary["final_eval"]
+    assert set(final) == {"pass@1", "avg@4", "pass@4"}  # G = 4 samples of the held-out prompt
+    # Scored by the numeric verifier (0/1): pass@1 is the share of the 4 samples that say 2, and
+    # pass@4 whether any does.
+    assert final["pass@1"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert final["avg@4"] == final["pass@1"] and final["pass@4"] == float(final["pass@1"] > 0)
     records = read_metrics(config.workdir)
     in_training = [r for r in records if "eval/pass@1" in r and r["step"] == 2]
     # `sat-jax eval` of the step-2 checkpoint samples exactly as the evaluation during training.
