@@ -443,14 +443,13 @@ def check_data_rows(config, train_src, eval_src, tokenizer, task=None) -> None:
     within ``data.max_new_tokens``; ``rollout.prompts_per_step`` must not exceed the training
     rows. Runs on any source, so a new task or dataset is checked without code of its own.
     """
-    from sat_jax.data import check_prompts, user_prompt
+    from sat_jax.data import PromptIterator, check_prompts, user_prompt
 
     d, p = config.data, config.rollout.prompts_per_step
-    if p > len(train_src):
-        _fail(
-            f"rollout.prompts_per_step={p} exceeds the {len(train_src)} training examples of "
-            f"{train_src.name!r}"
-        )
+    try:  # the iterator's own rules for its batch against the rows (it draws nothing here)
+        PromptIterator(train_src, p, seed=config.seed)
+    except (ValueError, TypeError) as e:
+        _fail(f"rollout.prompts_per_step={p}: {e}")
     fmt = user_prompt if d.chat_template else None
     warmup = task is not None and config.sft.steps > 0 and not config.model.hf_path
     what = f"data.max_prompt_len={d.max_prompt_len}"

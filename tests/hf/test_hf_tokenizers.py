@@ -178,5 +178,8 @@ def test_prompts_are_checked_when_the_run_builds_them(tok_dir, tmp_path, monkeyp
         components.build(c)
     c.data.max_prompt_len = 64
     c.rollout.prompts_per_step = 4
-    with pytest.raises(ConfigError, match="prompts_per_step=4 exceeds the 3 training examples"):
+    with pytest.raises(
+        ConfigError,
+        match="prompts_per_step=4: batch_size=4 is larger than the source \\(3 examples",
+    ):
         components.build(c)

@@ -92,7 +92,10 @@ INVALID = [
     ("seed=-1", "seed must be an int in [0, 2**63), got -1"),
     ("mesh.tensor=3", "mesh (data=2, fsdp=1, expert=1, tensor=3) does not fit the model: mesh"),
     ("mesh.expert=3", "mesh axis 'expert' (3) of size 3 does not divide ModelConfig.hidden_size"),
-    ("rollout.prompts_per_step=9752", "prompts_per_step=9752 exceeds the 9744 training examples"),
+    (
+        "rollout.prompts_per_step=9752",
+        "prompts_per_step=9752: batch_size=9752 is larger than the source (9744 examples",
+    ),
     (
         "data.num_digits=3",
         "data.max_prompt_len=8, data.max_new_tokens=5 (the warm-up's targets) with "
