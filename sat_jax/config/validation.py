@@ -426,30 +426,42 @@ def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
     if config.checkpoint.max_to_keep < 1:
         _fail(f"checkpoint.max_to_keep must be >= 1, got {config.checkpoint.max_to_keep}")
     d = config.data
-    if d.tokenizer == "char" and d.source in ("task", "jsonl"):
-        # Cheap to build here; other tokenizers and TFDS are checked when the run builds them.
+    if d.source == "task" or (d.source == "jsonl" and d.tokenizer == "char"):
+        # Cheap to build here; TFDS and other tokenizers' rows are checked when the run builds
+        # them. A built-in task's lengths were checked against its own bounds above.
         from sat_jax.data.tokenizer import CharTokenizer
         from sat_jax.rl.components import build_sources
 
         train_src, eval_src, task = build_sources(config)
-        check_data_rows(config, train_src, eval_src, CharTokenizer(), task)
+        if d.source == "task":
+            _check_batch_rows(config, train_src)
+        else:
+            check_data_rows(config, train_src, eval_src, CharTokenizer(), task)
+
+
+def _check_batch_rows(config, train_src) -> None:
+    from sat_jax.data import PromptIterator
+
+    p = config.rollout.prompts_per_step
+    try:  # the iterator's own rules for its batch against the rows (it draws nothing here)
+        PromptIterator(train_src, p, seed=config.seed)
+    except (ValueError, TypeError) as e:
+        _fail(f"rollout.prompts_per_step={p}: {e}")
 
 
 def check_data_rows(config, train_src, eval_src, tokenizer, task=None) -> None:
     """The built data against the tokenizer and the slots, one :class:`ConfigError`.
 
     Every training prompt (and the held-out prompts an evaluation reads) must encode within
-    ``data.max_prompt_len``; with a supervised warm-up (a built-in ``task``) every answer plus EOS
+    ``data.max_prompt_len``; with a supervised warm-up (a built-in ``task``) every target plus EOS
     within ``data.max_new_tokens``; ``rollout.prompts_per_step`` must not exceed the training
-    rows. Runs on any source, so a new task or dataset is checked without code of its own.
+    rows. Runs on any source and tokenizer, so a new task or dataset is checked without code of
+    its own.
     """
-    from sat_jax.data import PromptIterator, check_prompts, user_prompt
+    from sat_jax.data import check_prompts, user_prompt
 
-    d, p = config.data, config.rollout.prompts_per_step
-    try:  # the iterator's own rules for its batch against the rows (it draws nothing here)
-        PromptIterator(train_src, p, seed=config.seed)
-    except (ValueError, TypeError) as e:
-        _fail(f"rollout.prompts_per_step={p}: {e}")
+    _check_batch_rows(config, train_src)
+    d = config.data
     fmt = user_prompt if d.chat_template else None
     warmup = task is not None and config.sft.steps > 0 and not config.model.hf_path
     what = f"data.max_prompt_len={d.max_prompt_len}"

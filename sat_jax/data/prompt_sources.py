@@ -318,9 +318,10 @@ def check_prompts(
       tokenizer: ``batch_encode(texts, pad_to=None) -> (ids, lengths)`` (the sampler's layout).
       max_prompt_len: prompt slots of the sampler.
       prompt_format: maps a prompt to the text the policy reads.
-      max_answer_len: if given, every answer plus EOS must also fit this many response slots
-        (the targets of a supervised warm-up; the tokenizer's ``batch_encode`` then takes
-        ``add_bos`` / ``add_eos``, as `CharTokenizer`'s does).
+      max_answer_len: if given, every supervised target plus EOS must also fit this many response
+        slots (a warm-up's: the example's ``"target"`` if it has one, else its ``"answer"``, as
+        `Task.supervised_pairs`; the tokenizer's ``batch_encode`` then takes ``add_bos`` /
+        ``add_eos``, as `CharTokenizer`'s does).
       rows: check only the first ``rows`` examples (those an evaluation reads); default all.
       chunk: prompts encoded per call.
 
@@ -338,13 +339,16 @@ def check_prompts(
     get = source._get if isinstance(source, PromptSource) else source.__getitem__
     checks = [("prompt", max_prompt_len, {})]
     if max_answer_len is not None:
-        checks.append(("answer", max_answer_len, {"add_eos": True}))
+        checks.append(("target", max_answer_len, {"add_eos": True}))
     too_long = {what: 0 for what, _, _ in checks}
     worst = {what: (0, -1, "") for what, _, _ in checks}  # (tokens, row, text): the longest
     for lo in range(0, n, chunk):
         examples = [get(i) for i in range(lo, min(lo + chunk, n))]
         for what, limit, extra in checks:
-            texts = [fmt(ex["prompt"]) if what == "prompt" else ex["answer"] for ex in examples]
+            texts = [
+                fmt(ex["prompt"]) if what == "prompt" else ex.get("target", ex["answer"])
+                for ex in examples
+            ]
             try:
                 _, lengths = _encode(tokenizer, texts, extra)
             except ValueError:

@@ -149,10 +149,14 @@ def test_check_prompts_counts_and_names_the_longest():
         "'sums' ('123+45='), takes 8 tokens"
     )
     assert check_prompts(src, tok, 6, rows=1) == 1  # only the rows an evaluation reads
-    # Answers plus EOS against the response slots (a warm-up's targets): "168" + EOS is 4.
+    # Warm-up targets plus EOS against the response slots: "168" + EOS is 4.
     assert check_prompts(src, tok, 8, max_answer_len=4) == 3
-    with pytest.raises(ValueError, match=r"1 of 3 answers take more than 3 response slots"):
+    with pytest.raises(ValueError, match=r"1 of 3 targets take more than 3 response slots"):
         check_prompts(src, tok, 8, max_answer_len=3)
+    # A "target" (the response with its working) is what a warm-up trains on, when there is one.
+    traced = ListSource([{"prompt": "1+1=", "answer": "2", "target": "1+1=2"}], name="traced")
+    with pytest.raises(ValueError, match=r"the longest, row 0 of 'traced' \('1\+1=2'\), takes 6"):
+        check_prompts(traced, tok, 8, max_answer_len=5)
 
 
 def test_check_prompts_applies_the_prompt_format_and_chunks():
