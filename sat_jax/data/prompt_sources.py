@@ -331,7 +331,7 @@ def check_prompts(
     Raises:
       ValueError: naming the row (``source.where``) and the text, for a prompt with a character
         the tokenizer cannot encode; naming how many prompts are too long and the longest one
-        (row, text, token count), for prompts over ``max_prompt_len``; likewise for answers.
+        (row, text, token count), for prompts over ``max_prompt_len``; likewise for targets.
     """
     fmt = prompt_format or (lambda text: text)
     n = len(source) if rows is None else min(int(rows), len(source))
@@ -375,6 +375,6 @@ def check_prompts(
 
 
 def _encode(tokenizer, texts: list[str], extra: dict[str, Any]):
-    if extra:  # answers: EOS appended, no BOS
+    if extra:  # targets: EOS appended, no BOS
         return tokenizer.batch_encode(texts, pad_to=None, add_bos=False, **extra)
     return tokenizer.batch_encode(texts, pad_to=None)
