@@ -272,7 +272,7 @@ def main(argv):
 
     try:
         summary = learner.train(config, max_steps=_MAX_STEPS.value)
-    except learner.ResumeError as e:
+    except (learner.ResumeError, ConfigError) as e:  # ConfigError: data checked when built
         return _fail(str(e))
     if parallel.is_primary():
         hist = summary["history"]

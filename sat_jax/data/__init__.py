@@ -19,6 +19,7 @@ from sat_jax.data.prompt_sources import (
     PromptSource,
     TaskSource,
     TfdsSource,
+    check_prompts,
 )
 from sat_jax.data.tasks import (
     MIXTURE_TASKS,
@@ -46,6 +47,7 @@ from sat_jax.data.tokenizer import (
     Tokenizer,
     load_tokenizer,
     qwen_chat_prompt,
+    user_prompt,
 )
 
 __all__ = [
@@ -73,6 +75,7 @@ __all__ = [
     "Tokenizer",
     "TfdsSource",
     "avg_at_k",
+    "check_prompts",
     "evaluate",
     "extract_answer",
     "load_tokenizer",
@@ -88,4 +91,5 @@ __all__ = [
     "pass_at_k",
     "qwen_chat_prompt",
     "task_from_config",
+    "user_prompt",
 ]

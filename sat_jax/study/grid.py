@@ -141,8 +141,15 @@ class RunSpec:
 
     @property
     def name(self) -> str:
-        """``<method>-<lagmode><lag>-lr<lr>-seed<s>``: the run's directory under ``DIR/runs``."""
-        return f"{self.method}-{self.lag_mode}{self.lag}-lr{self.lr:g}-seed{self.seed}"
+        """``<method>-<lagmode><lag>-lr<lr>-seed<s>``: the run's directory under ``DIR/runs``.
+
+        The rate is written with ``:g`` (``lr0.0003``) where that is exact, else in full
+        (``lr0.00010000001``), so two rates never share a directory.
+        """
+        lr = f"{self.lr:g}"
+        if float(lr) != self.lr:
+            lr = repr(self.lr)
+        return f"{self.method}-{self.lag_mode}{self.lag}-lr{lr}-seed{self.seed}"
 
 
 def parse_ints(text: str, what: str, *, minimum: int = 0) -> tuple[int, ...]:
@@ -292,7 +299,8 @@ def expand(
     fields; a learning rate from ``grid.lrs`` replaces ``optim.learning_rate``.
 
     Raises:
-      ValueError: an override names a field the grid sets, or is malformed.
+      ValueError: an override names a field the grid sets, or is malformed; two runs would share
+        a directory.
     """
     for item in overrides:
         key = item.partition("=")[0]
@@ -319,4 +327,9 @@ def expand(
                 c.resume = True
                 c.log.progress = False
                 out.append((spec, c))
+    owners: dict[str, RunSpec] = {}
+    for spec, c in out:
+        first = owners.setdefault(c.workdir, spec)
+        if first is not spec:
+            raise ValueError(f"runs {first} and {spec} would share the directory {c.workdir}")
     return out

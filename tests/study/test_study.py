@@ -222,6 +222,54 @@ def test_a_failing_run_is_recorded_and_the_grid_goes_on(tmp_path):
         runner.run_all(runs, train=fake_train, log=logs.append, fatal=FloatingPointError)
 
 
+def test_a_later_success_removes_the_stale_error(tmp_path):
+    g = study_grid.resolve(
+        "envelope", seeds=1, lags=(1,), lrs=(1e-4,), methods=("grpo",), baseline="grpo"
+    )
+    runs = study_grid.expand(g, str(tmp_path))
+    error = os.path.join(runs[0][1].workdir, runner.ERROR_FILE)
+    attempts = []
+
+    def fake_train(config):
+        attempts.append(config.seed)
+        if len(attempts) == 1:
+            raise OSError("disk full")
+        return {"interrupted": False}
+
+    assert runner.run_all(runs, train=fake_train, log=lambda m: None)["failed"] == [runs[0][0].name]
+    assert "disk full" in open(error).read()
+    again = runner.run_all(runs, train=fake_train, log=lambda m: None)
+    assert again["trained"] == [runs[0][0].name] and again["failed"] == []
+    assert not os.path.exists(error) and runner.is_finished(runs[0][1])
+
+
+def test_close_learning_rates_get_their_own_directories(tmp_path):
+    g = study_grid.resolve(
+        "envelope",
+        seeds=1,
+        lags=(1,),
+        lrs=(1e-4, 1.0000001e-4, 3e-4),
+        methods=("grpo",),
+        baseline="grpo",
+    )
+    names = [spec.name for spec, _ in study_grid.expand(g, str(tmp_path))]
+    assert names == [
+        "grpo-broadcast1-lr0.0001-seed0",
+        "grpo-broadcast1-lr0.00010000001-seed0",
+        "grpo-broadcast1-lr0.0003-seed0",
+    ]
+
+
+def test_two_runs_in_one_directory_are_refused(tmp_path, monkeypatch):
+    # Whatever makes two names equal, the grid refuses it before any run.
+    monkeypatch.setattr(study_grid.RunSpec, "name", property(lambda spec: f"seed{spec.seed}"))
+    g = study_grid.resolve(
+        "envelope", seeds=1, lags=(1, 8), lrs=(1e-4,), methods=("grpo",), baseline="grpo"
+    )
+    with pytest.raises(ValueError, match=r"runs RunSpec\(.*lag=1.*\) and RunSpec\(.*lag=8.*share"):
+        study_grid.expand(g, str(tmp_path))
+
+
 def test_progress_line_and_estimate():
     assert runner.progress_line(3, 12, 100.0, 297.0) == "[3/12] elapsed 1m40s, ETA 4m57s"
     assert runner.progress_line(12, 12, 3700.0, 0.0) == "[12/12] elapsed 1h01m40s, done"
