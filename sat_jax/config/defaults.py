@@ -116,6 +116,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.loss.delta = 0.0  # 0 = the objective's default (dppo / drpo)
     c.loss.divergence = "tv"  # dppo
     c.loss.spo_eps = 0.2
+    c.loss.tis_pg_cap = 2.0  # tis_pg: the truncation C of its importance weight min(r, C)
     c.loss.seqclip_low = 0.995
     c.loss.seqclip_high = 1.005
     c.loss.aggregation = "token-mean"

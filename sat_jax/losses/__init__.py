@@ -25,6 +25,7 @@ from sat_jax.losses.objectives import (
     sat_gspo,
     seqclip,
     spo,
+    tis_pg,
 )
 from sat_jax.losses.quantile import quantile
 from sat_jax.losses.registry import get, names, register
@@ -57,4 +58,5 @@ __all__ = [
     "seqclip",
     "spo",
     "tis",
+    "tis_pg",
 ]

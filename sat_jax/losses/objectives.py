@@ -480,6 +480,57 @@ def drpo(
     return _quadratic(prep, weight, aggregation, axis_name)
 
 
+def tis_pg(
+    logp,
+    behavior_logp,
+    advantages,
+    mask,
+    *,
+    cap: float = 2.0,
+    aggregation: str = "token-mean",
+    token_weights=None,
+    axis_name=None,
+) -> _base.LossOutput:
+    """Truncated-IS policy gradient: importance-weighted REINFORCE with no trust region.
+
+        w = min(r, C) (detached),  S = w·A·(1 + logp − sg(logp)),  ∇S = min(r, C)·A·∇log π
+
+    Each token's policy-gradient term is weighted by its truncated importance ratio (IMPALA's
+    ρ̄-truncation, Espeholt et al. 2018; the "no clip" baseline of M2PO and of NeMo-RL's
+    asynchronous GRPO). Unlike the clipped objectives nothing stops a token whose ratio has
+    already moved away from 1 from being pushed further (only C bounds the weight), so it is the
+    study's collapse-prone arm: stable on-policy (r = 1: plain REINFORCE with group advantages),
+    increasingly unstable as stale rollouts widen the ratios. The value is min(r, C)·A, on the
+    scale of the other surrogates; C = ∞ gives the unclipped surrogate r·A's gradient.
+
+    Args:
+      cap: C > 0 (default 2, as :func:`~sat_jax.losses.tis`).
+
+    Metrics: mismatch metrics, ``ratio_mean`` and ``tis_pg/truncated_frac``, the share of active
+    tokens with r > C.
+
+    Example:
+      >>> out = tis_pg(jnp.log(jnp.array([[3.0, 0.5]])), jnp.zeros((1, 2)), jnp.array([1.0]),
+      ...              jnp.array([[True, True]]))
+      >>> float(out.loss)  # −(min(3, 2)·1 + 0.5·1) / 2
+      -1.25
+    """
+    _base.check_hparam("cap", cap, low=0.0, low_open=True)
+    prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    lr = _base.log_ratio(prep.logp, prep.behavior_logp)
+    r = jnp.exp(jax.lax.stop_gradient(lr))
+    surrogate = jnp.minimum(r, cap) * prep.advantages * (1.0 + _zero_with_unit_grad(prep.logp))
+    metrics = _mismatch_from_log_ratio(lr, prep.mask, axis_name)
+    metrics.update(
+        _base.masked_means(
+            {"ratio_mean": r, "tis_pg/truncated_frac": (r > cap).astype(jnp.float32)},
+            prep.mask,
+            axis_name,
+        )
+    )
+    return _base.finish(surrogate, prep, metrics, aggregation, axis_name)
+
+
 # ----------------------------------------------------------------------------------------------
 # Sequence-ratio objectives.
 # ----------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ _OBJECTIVES: dict[str, Callable] = {
     "dppo": objectives.dppo,
     "spo": objectives.spo,
     "drpo": objectives.drpo,
+    "tis_pg": objectives.tis_pg,
 }
 _CORRECTIONS: dict[str, Callable] = {
     "tis": corrections.tis,

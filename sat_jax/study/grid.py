@@ -1,6 +1,7 @@
-"""Study grids: the paper's Table 1 methods (``paper``), its core comparison (``core``) and SAT's
-operating envelope over learning rate × lag (``envelope``), expanded into one training config per
-(method, lag, learning rate, seed) cell.
+"""Study grids: the paper's Table 1 methods (``paper``), its core comparison (``core``), SAT's
+operating envelope over learning rate × lag (``envelope``) and the staleness study (``stale``,
+:func:`stale_grid`), expanded into one training config per (method, lag, learning rate, seed)
+cell.
 
 Every method is the built-in default run with the method's objective, R3 and correction swapped
 in (``sat_jax.config.method_config``, as ``configs/<method>.py`` does), so the runs of a
@@ -15,7 +16,8 @@ import dataclasses
 import itertools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from sat_jax import config as config_lib
 from sat_jax.config.presets import PRESETS
@@ -35,6 +37,25 @@ METHODS: dict[str, tuple[str, bool, str]] = {
     "sat_grpo_r3": ("sat", True, "none"),
     "sat_gspo": ("sat_gspo", False, "none"),
     "sat_gspo_r3": ("sat_gspo", True, "none"),
+    # The staleness study's extra arms: a collapse-prone one (no trust region) and the
+    # matched-step controls (the base objective with a uniformly tighter clip, METHOD_LOSS).
+    "tis_pg": ("tis_pg", False, "none"),
+    "tis_pg_r3": ("tis_pg", True, "none"),
+    "grpo_tight": ("ppo", False, "none"),
+    "grpo_tight_r3": ("ppo", True, "none"),
+    "gspo_tight": ("gspo", False, "none"),
+    "gspo_tight_r3": ("gspo", True, "none"),
+}
+
+#: ε of the matched-step controls' uniformly tighter clip, ε_low = ε_high (the default run's is
+#: 0.2). A placeholder: the staleness protocol fixes it after calibration, so that the control's
+#: clip fraction matches SAT's (``stale_grid(tight_eps=)``).
+TIGHT_EPS = 0.1
+
+#: Loss fields a method sets besides its objective, R3 and correction.
+METHOD_LOSS: dict[str, dict[str, Any]] = {
+    name: {"eps_low": TIGHT_EPS, "eps_high": TIGHT_EPS}
+    for name in ("grpo_tight", "grpo_tight_r3", "gspo_tight", "gspo_tight_r3")
 }
 
 #: The paper's names of the methods (Table 1).
@@ -52,6 +73,12 @@ LABELS = {
     "sat_grpo_r3": "SAT-GRPO w/ R3",
     "sat_gspo": "SAT-GSPO",
     "sat_gspo_r3": "SAT-GSPO w/ R3",
+    "tis_pg": "TIS-PG (no clip)",
+    "tis_pg_r3": "TIS-PG (no clip) w/ R3",
+    "grpo_tight": "GRPO, tight clip",
+    "grpo_tight_r3": "GRPO, tight clip, w/ R3",
+    "gspo_tight": "GSPO, tight clip",
+    "gspo_tight_r3": "GSPO, tight clip, w/ R3",
 }
 
 # Fields the grid sets itself; a --set of one of them would be silently overwritten.
@@ -60,7 +87,13 @@ GRID_FIELDS = ("name", "seed", "lag", "lag_mode", "workdir", "resume")
 
 @dataclasses.dataclass(frozen=True)
 class Grid:
-    """A named grid: methods × lags × learning rates (None: the config's own) × seeds."""
+    """A named grid: methods × lags × learning rates (None: the config's own) × seeds.
+
+    ``method_loss``: ``(method, ((field, value), ...))`` pairs of ``config.loss`` fields this grid
+    sets for that method, over :data:`METHOD_LOSS` (the stale grid's tight ε). ``settings``:
+    ``KEY=VALUE`` items applied to every run before the command line's ``--set`` (the task,
+    model and knobs a protocol fixes).
+    """
 
     name: str
     methods: tuple[str, ...]
@@ -74,6 +107,8 @@ class Grid:
     primary: tuple[str, str] | None = None
     #: The base run every method is swapped into (``sat_jax.config.presets.PRESETS``).
     preset: str = "default"
+    method_loss: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+    settings: tuple[str, ...] = ()
 
 
 GRIDS: dict[str, Grid] = {
@@ -127,6 +162,74 @@ GRIDS: dict[str, Grid] = {
         "sat_jax.study.calibration's manipulation checks, not by SAT's accuracy",
     ),
 }
+
+
+def stale_grid(
+    arms: Sequence[str] = ("grpo", "sat_grpo", "grpo_tight"),
+    *,
+    lags: Sequence[int] = (1, 8),
+    seeds: int = 8,
+    baseline: str = "grpo",
+    primary: tuple[str, str] | None = ("sat_grpo", "grpo"),
+    tight_eps: float = TIGHT_EPS,
+    preset: str = "stale",
+    settings: Sequence[str] = (),
+) -> Grid:
+    """The staleness study's grid: ``arms`` × ``lags`` × ``seeds`` on the ``preset`` base run,
+    paired on seed.
+
+    The defaults are phase 1's minimum (a base, SAT on the same base and the matched-step
+    control, at lag 1 and a high lag, 8 seeds; the pre-registered comparison ``primary`` is
+    (treatment, control) = (SAT, base)); the protocol (docs/results/stale/PROTOCOL.md) fixes
+    the arms, lags, seeds, the control's ``tight_eps`` (ε_low = ε_high of every ``*_tight``
+    arm) and the ``settings`` (``KEY=VALUE`` over the preset: mismatch knobs, learning rate)
+    after calibration, and ``GRIDS["stale"]`` is then this function at those values.
+
+    Raises:
+      ValueError: an unknown arm or preset, a baseline or primary arm not among the arms,
+        seeds < 1, no lags, ``tight_eps`` outside (0, 1), a setting that names a field the grid
+        sets itself.
+    """
+    arms = tuple(arms)
+    unknown = [a for a in arms if a not in METHODS]
+    if not arms or unknown or len(set(arms)) != len(arms):
+        raise ValueError(
+            f"stale grid: arms must be distinct names from {sorted(METHODS)}, got {arms}"
+        )
+    if baseline not in arms:
+        raise ValueError(f"stale grid: baseline {baseline!r} is not one of the arms {arms}")
+    if primary is not None and (len(primary) != 2 or not set(primary) <= set(arms)):
+        raise ValueError(f"stale grid: primary {primary!r} must be two of the arms {arms}")
+    if preset not in PRESETS:
+        raise ValueError(
+            f"stale grid: unknown preset {preset!r}; expected one of {sorted(PRESETS)}"
+        )
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"stale grid: seeds must be an int >= 1, got {seeds!r}")
+    if not lags or any(int(v) < 0 for v in lags):
+        raise ValueError(f"stale grid: lags must be non-negative integers, got {list(lags)}")
+    if not 0 < float(tight_eps) < 1:
+        raise ValueError(f"stale grid: tight_eps must lie in (0, 1), got {tight_eps!r}")
+    for item in settings:
+        if item.partition("=")[0] in GRID_FIELDS:
+            raise ValueError(f"stale grid: setting {item!r} names a field the grid sets")
+    eps = (("eps_low", float(tight_eps)), ("eps_high", float(tight_eps)))
+    return Grid(
+        "stale",
+        arms,
+        baseline=baseline,
+        lags=tuple(int(v) for v in lags),
+        seeds=seeds,
+        description="the staleness study (docs/results/stale): a base, SAT on the same base and "
+        "the matched-step control (a uniformly tighter clip), at lag 1 and a high lag",
+        primary=None if primary is None else tuple(primary),
+        preset=preset,
+        method_loss=tuple((a, eps) for a in arms if a in METHOD_LOSS),
+        settings=tuple(settings),
+    )
+
+
+GRIDS["stale"] = stale_grid()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,16 +379,18 @@ def resolve(
     return grid
 
 
-def method_config(method: str, preset: str = "default"):
+def method_config(method: str, preset: str = "default", loss: Mapping[str, Any] | None = None):
     """The ``preset`` base run with ``method`` swapped in (for ``default``, the config of
-    ``configs/<method>.py``)."""
+    ``configs/<method>.py``), its :data:`METHOD_LOSS` fields set and then ``loss``
+    (``config.loss`` field -> value)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {sorted(METHODS)}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     objective, r3, correction = METHODS[method]
+    fields = {**METHOD_LOSS.get(method, {}), **(loss or {})}
     return config_lib.method_config(
-        method, objective, r3=r3, correction=correction, base=PRESETS[preset]
+        method, objective, r3=r3, correction=correction, base=PRESETS[preset], **fields
     )
 
 
@@ -313,11 +418,12 @@ def expand(
                 "--set optim.learning_rate: this grid varies the learning rate; use --lrs"
             )
     out = []
+    method_loss = {m: dict(fields) for m, fields in grid.method_loss}
     for method, lag in itertools.product(grid.methods, grid.lags):
         for lr_choice in grid.lrs or (None,):
             for seed in range(grid.seeds):
-                c = method_config(method, grid.preset)
-                for item in overrides:
+                c = method_config(method, grid.preset, method_loss.get(method))
+                for item in (*grid.settings, *overrides):
                     apply_override(c, item)
                 lr = float(c.optim.learning_rate if lr_choice is None else lr_choice)
                 spec = RunSpec(method, lag_mode, int(lag), lr, seed)

@@ -281,6 +281,31 @@ def test_advantages_hand():
         advantages.get("ppo")
 
 
+@JIT
+def test_tis_pg_hand(jit):
+    # r = [3, 0.5, 1.5, 0.2], A = [1, 1, -1, -1], C = 2; the last token masked (its inf padding
+    # must not reach the loss or the gradient).
+    r = np.array([[3.0, 0.5, 1.5, 0.2]], np.float32)
+    a = np.array([[1.0, 1.0, -1.0, -1.0]], np.float32)
+    mask = np.array([[1, 1, 1, 0]], bool)
+    logp = np.where(mask, np.log(r), np.inf).astype(np.float32)
+    out = _call(losses.tis_pg, jit, logp, jnp.zeros((1, 4)), a, mask, cap=2.0)
+    # S = min(r, 2)·A = [2, 0.5, −1.5]; loss = −mean.
+    np.testing.assert_allclose(out.loss, -(2.0 + 0.5 - 1.5) / 3, rtol=1e-6)
+    np.testing.assert_allclose(out.metrics["tis_pg/truncated_frac"], 1 / 3, rtol=1e-6)
+    np.testing.assert_allclose(out.metrics["ratio_mean"], (3.0 + 0.5 + 1.5) / 3, rtol=1e-6)
+    g = _grad(losses.tis_pg, jit, jnp.asarray(logp), jnp.zeros((1, 4)), a, mask, cap=2.0)
+    # dS/dlogp = min(r, C)·A on every active token, no clip: even r = 3 with A > 0 is pushed.
+    np.testing.assert_allclose(g, [[-2.0 / 3, -0.5 / 3, 1.5 / 3, 0.0]], rtol=1e-6)
+    # On-policy (r = 1) it is REINFORCE: the gradient is −A/n, which PPO's also is there.
+    on = _grad(losses.tis_pg, jit, jnp.zeros((1, 4)), jnp.zeros((1, 4)), a, np.ones((1, 4)))
+    ppo = _grad(losses.ppo, jit, jnp.zeros((1, 4)), jnp.zeros((1, 4)), a, np.ones((1, 4)))
+    np.testing.assert_allclose(on, -a / 4, rtol=1e-6)
+    np.testing.assert_allclose(on, ppo, rtol=1e-6)
+    with pytest.raises(ValueError, match="`cap` must be > 0"):
+        losses.tis_pg(logp, np.zeros((1, 4)), a, mask, cap=0.0)
+
+
 def test_registry():
     assert set(losses.names()) >= {
         "ppo",
@@ -293,7 +318,9 @@ def test_registry():
         "spo",
         "drpo",
         "grpo",
+        "tis_pg",
     }
+    assert losses.get("tis_pg") is losses.tis_pg
     assert losses.names("correction") == ("icepop", "kpop", "tis")
     assert losses.get("sat_gspo") is losses.sat_gspo
     assert losses.get("tis") is losses.tis

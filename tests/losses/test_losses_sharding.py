@@ -32,6 +32,7 @@ OBJECTIVES = [
     ("dppo", {"delta": 0.02}),
     ("spo", {}),
     ("drpo", {"delta": 0.05}),
+    ("tis_pg", {"cap": 1.05}),
 ]
 VARIANTS = ["eager", "jit", "shard_map", "pmap"]
 

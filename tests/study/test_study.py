@@ -58,6 +58,73 @@ def test_a_preset_grid_starts_every_run_from_its_preset(tmp_path):
         study_grid.method_config("grpo", "nope")
 
 
+def test_stale_grid_expands_to_exactly_its_declared_runs(tmp_path):
+    # The default: phase 1's minimum, 3 arms × lags 1, 8 × 8 seeds.
+    default = study_grid.expand(study_grid.resolve("stale"), str(tmp_path))
+    assert [(s.method, s.lag, s.seed) for s, _ in default] == [
+        (m, lag, seed)
+        for m in ("grpo", "sat_grpo", "grpo_tight")
+        for lag in (1, 8)
+        for seed in range(8)
+    ]
+    # Every parameter is the protocol's to fix.
+    g = study_grid.stale_grid(
+        ("gspo_r3", "sat_gspo_r3", "gspo_tight_r3", "tis_pg_r3"),
+        lags=(1, 16),
+        seeds=3,
+        baseline="gspo_r3",
+        primary=("sat_gspo_r3", "gspo_r3"),
+        tight_eps=0.05,
+        settings=("num_steps=300", "rollout.router_noise=0.2"),
+    )
+    runs = study_grid.expand(g, str(tmp_path), lag_mode="fixed", overrides=["num_steps=200"])
+    want = [
+        (m, lag, seed)
+        for m in ("gspo_r3", "sat_gspo_r3", "gspo_tight_r3", "tis_pg_r3")
+        for lag in (1, 16)
+        for seed in range(3)
+    ]
+    assert [(s.method, s.lag, s.seed) for s, _ in runs] == want
+    assert len({s.name for s, _ in runs}) == len(want) == 24
+    assert g.primary == ("sat_gspo_r3", "gspo_r3") and g.preset == "stale"
+    assert study_grid.GRIDS["stale"].primary == ("sat_grpo", "grpo")
+    for spec, c in runs:
+        objective, r3, _ = study_grid.METHODS[spec.method]
+        assert (c.loss.objective, c.loss.r3, c.lag, c.seed, c.lag_mode) == (
+            objective,
+            r3,
+            spec.lag,
+            spec.seed,
+            "fixed",
+        )
+        tight = spec.method == "gspo_tight_r3"
+        assert (c.loss.eps_low, c.loss.eps_high) == ((0.05, 0.05) if tight else (0.2, 0.2))
+        # The stale preset, the grid's settings, then the command line's --set over them.
+        assert c.data.task == presets.stale_base().data.task
+        assert (c.num_steps, c.rollout.router_noise) == (200, 0.2)
+    tis = [c for s, c in runs if s.method == "tis_pg_r3"]
+    assert tis and all(c.loss.tis_pg_cap == 2.0 for c in tis)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(arms=("grpo", "nope")), "arms must be distinct names"),
+        (dict(arms=("grpo", "grpo")), "arms must be distinct names"),
+        (dict(baseline="gspo"), "baseline 'gspo' is not one of the arms"),
+        (dict(primary=("sat_gspo", "grpo")), "primary .* must be two of the arms"),
+        (dict(preset="nope"), "unknown preset 'nope'"),
+        (dict(seeds=0), "seeds must be an int >= 1"),
+        (dict(lags=()), "lags must be non-negative"),
+        (dict(tight_eps=1.5), "tight_eps must lie in"),
+        (dict(settings=("lag=3",)), "names a field the grid sets"),
+    ],
+)
+def test_stale_grid_refuses_bad_parameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        study_grid.stale_grid(**kwargs)
+
+
 @pytest.mark.parametrize(
     "name",
     [n for n in study_grid.METHODS if os.path.exists(os.path.join(ROOT, "configs", n + ".py"))],
