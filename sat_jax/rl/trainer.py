@@ -8,6 +8,15 @@ included, is global through scalar collectives; optional corrections (TIS, IcePo
 ``sat_jax.losses.registry.correction_weights``) and the low-variance KL to a reference policy
 compose with it. A 1-D ``data`` mesh is plain data parallelism (parameters replicated).
 
+Metrics, all global over the batch axes: the objective's own (``loss/...``: d̄_π, clip fractions
+and the clip split by sign of A and side, SAT's Table 10 set), the shape of the ratio the loss
+sees (``mismatch/p50``, ``p90``, ``p99``, ``max`` of |log r|, ``seq_sum_max``, ``ess``;
+``losses.mismatch_shape``), the routing flip rate (``routing/flip_rate``: the share of
+(response token, MoE layer) pairs whose trainer top-k set differs from the engine's recorded
+one, with R3 on or off; ``routing_flip_share``), ``train/entropy``, ``optim/grad_norm`` and
+``optim/update_norm``; with ``LossSpec.decompose_mismatch`` also ``mismatch/staleness*`` and
+``mismatch/engine*`` (``losses.mismatch_decomposition``, relative to the engine's log μ).
+
 The step is a pure function ``(TrainState, batch, extra_params) -> (TrainState, metrics)``, so it
 can also be vmapped over a leading "run" axis of stacked states for many small studies at once
 (``jax.vmap(step, in_axes=(0, 0, None))``; tested against each run alone, and
