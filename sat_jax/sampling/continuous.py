@@ -470,6 +470,11 @@ class Session:
         return len(self._waiting) + len(self._tags)
 
     @property
+    def decoding(self) -> list[int]:
+        """Ids of the prompts in the slots (admitted, not yet emitted)."""
+        return list(self._tags)
+
+    @property
     def waiting(self) -> int:
         """Prompts added and not yet admitted to slots."""
         return len(self._waiting)

@@ -3,6 +3,8 @@ routing and cut-offs for any slot count and window; weight swaps at harvest poin
 token and equal to a token-by-token recomputation; whole groups, none lost or repeated; the
 sharded slot cache on an fsdp × expert mesh; bad input."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -258,3 +260,48 @@ def test_bad_input_is_one_error_before_compute(cfg, params, engines):
     with pytest.raises(ValueError, match="group_size"):
         engine.generate(params[1], PROMPTS, LENGTHS, jax.random.key(0), group_size=1)
     assert run.waiting == 1 and run.windows == 0
+
+
+def test_stream_mode_fills_the_slots_and_swaps_at_harvest_points(params, engines):
+    """``StreamRollouts`` on the slots: batches of whole groups, responses crossing swaps, and
+    the behaviour version handed over is the batch's oldest token's (pinned while in flight)."""
+    from sat_jax.data import CharTokenizer
+    from sat_jax.rl.rollout import RolloutEngine
+    from sat_jax.rl.stream import StreamRollouts
+
+    engine = RolloutEngine(
+        sampler=engines(4, 3),
+        tokenizer=CharTokenizer(),
+        reward_fn=lambda text, example: float(len(text) % 2),
+        group_size=G,
+        sampling=SamplingParams(),
+    )
+    prompts = iter(lambda: [{"prompt": "1+2="}, {"prompt": "34+5="}], None)
+    stream = StreamRollouts(engine, prompts, seed=0, queue_size=1, needs_old=True)
+    published = {0: params[1]}
+    stream.publish(0, published[0])
+    stream.start()
+    rollouts = []
+    try:
+        deadline = time.monotonic() + 600  # the first window compiles
+        while len(rollouts) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+            v = len(published)
+            published[v] = jax.tree.map(lambda x: x, params[1])  # a new object per version
+            stream.publish(v, published[v])
+            assert len(stream.store.versions()) <= 1 + 2 + 4 // G
+            if not stream.queue.empty() or stream._error is not None:
+                rollouts.append(stream.next(v))
+    finally:
+        stream.close()
+    assert len(rollouts) == 3
+    crossed = 0
+    for r in rollouts:
+        versions, mask = np.asarray(r.batch.versions), np.asarray(r.batch.response_mask)
+        assert versions.shape == (2 * G, N)
+        live = [row[m] for row, m in zip(versions, mask, strict=True)]
+        assert all(np.all(np.diff(x) >= 0) for x in live)
+        crossed += sum(len(set(x)) > 1 for x in live)
+        assert r.behaviour["old"] is published[int(min(x.min() for x in live))]
+    assert crossed > 0 and stream.swaps > 0
+    assert 0 < r.metrics["stream/slot_use"] <= 1
