@@ -102,6 +102,12 @@ def concat_outputs(outputs: Sequence[SampleOutput]) -> SampleOutput:
     )
 
 
+def _bucket(n: int, cap: int) -> int:
+    """The call size for n ≥ 1 rows: the next power of two, at most ``cap`` (≥ n), so that a few
+    compiled programs serve every count."""
+    return min(1 << (n - 1).bit_length(), cap)
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -119,8 +125,8 @@ class ContinuousSampler:
       num_slots: S, sequences decoded at once (≥ group_size: a group's samples are slots).
       harvest_every: h, decode steps per window; the host admits and harvests between windows.
       group_size: G, samples per prompt.
-      max_prefill: most prompts per prefill call (default: S // G). Calls are padded to a power
-        of two, so a few programs serve every admission.
+      max_prefill: most prompts per prefill call (default: S // G). Prefill and harvest calls
+        are padded to a power of two, so a few programs serve every admission and harvest.
       cache_tokens: KV-cache capacity in token positions (None: sized to S slots); S slots of
         ``slot_width`` positions that exceed it are an error.
       mesh: place the slot state on this mesh (slots over the batch axes (data, fsdp), KV heads
@@ -426,7 +432,7 @@ class ContinuousSampler:
         return state, steps, busy
 
     def _take_impl(self, state: SlotState, slots) -> SampleOutput:
-        """The ``SampleOutput`` rows of ``slots`` [G]."""
+        """The ``SampleOutput`` rows of ``slots`` [n]."""
         p = self.max_prompt_len
         mask = state.input_mask[slots]
         return SampleOutput(
@@ -530,7 +536,7 @@ class Session:
             admit.append(self._waiting.popleft())
         for start in range(0, len(admit), e.max_prefill):
             chunk = admit[start : start + e.max_prefill]
-            size = min(1 << (len(chunk) - 1).bit_length(), e.max_prefill)  # a power of two
+            size = _bucket(len(chunk), e.max_prefill)
             padded = chunk + [chunk[0]] * (size - len(chunk))
             slots = np.full((size * g,), e.num_slots, np.int32)  # padding rows: dropped
             seq_ids = np.zeros((size * g,), np.int32)
@@ -557,26 +563,27 @@ class Session:
         e = self.engine
         g = e.group_size
         finished = []
-        for start in range(0, len(ended), g):
-            chunk = ended[start : start + g]
-            rows = jax.device_get(
-                e._take(self.state, np.array(chunk + [chunk[0]] * (g - len(chunk)), np.int32))
+        if not ended:
+            return finished
+        size = _bucket(len(ended), e.num_slots)
+        rows = jax.device_get(
+            e._take(self.state, np.array(ended + [ended[0]] * (size - len(ended)), np.int32))
+        )
+        for r, slot in enumerate(ended):
+            pid, sample = self._occupant.pop(slot)
+            self._free.append(slot)
+            self._partial[pid][sample] = SampleOutput(
+                *(
+                    a[:, r : r + 1] if f == "routing" else a[r : r + 1]
+                    for f, a in zip(SampleOutput._fields, rows, strict=True)
+                )
             )
-            for r, slot in enumerate(chunk):
-                pid, sample = self._occupant.pop(slot)
-                self._free.append(slot)
-                self._partial[pid][sample] = SampleOutput(
-                    *(
-                        a[:, r : r + 1] if f == "routing" else a[r : r + 1]
-                        for f, a in zip(SampleOutput._fields, rows, strict=True)
+            if len(self._partial[pid]) == g:
+                group = self._partial.pop(pid)
+                finished.append(
+                    FinishedGroup(
+                        pid, self._tags.pop(pid), concat_outputs([group[j] for j in range(g)])
                     )
                 )
-                if len(self._partial[pid]) == g:
-                    group = self._partial.pop(pid)
-                    finished.append(
-                        FinishedGroup(
-                            pid, self._tags.pop(pid), concat_outputs([group[j] for j in range(g)])
-                        )
-                    )
         self._free.sort()
         return finished
