@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 
 import jax
@@ -34,7 +35,14 @@ import numpy as np
 from _timing import interleaved_ms, median_seconds, paired_ratio
 from flax import nnx
 
-from sat_jax.models import ModelConfig, init_model, param_count, scale_logits, token_logprobs
+from sat_jax.models import (
+    ModelConfig,
+    init_model,
+    param_count,
+    save_hf,
+    scale_logits,
+    token_logprobs,
+)
 from sat_jax.sampling import ContinuousSampler, Sampler, SamplingParams
 
 
@@ -51,13 +59,19 @@ def _limits(profile: str, sequences: int, n: int, rng) -> np.ndarray:
     return rng.integers(25, 51, size=sequences).astype(np.int32)  # long_response
 
 
-def _workloads(cfg, params, args) -> dict:
-    """Static batches vs continuous slots on the same prompts, limits and sampling."""
+def _workloads(cfg, params, args, export: str = "") -> dict:
+    """Static batches vs continuous slots on the same prompts, limits and sampling; with
+    ``export``, the workloads are also written to ``export``/workloads.json."""
     rng = np.random.default_rng(1)
+    peer: dict = {}
     out = {
-        profile: _compare(cfg, params, args, profile, n, rng)
+        profile: _compare(cfg, params, args, profile, n, rng, peer)
         for profile, n in (("heavy_tail", args.new), ("long_response", 50))
     }
+    if export:
+        os.makedirs(export, exist_ok=True)
+        with open(os.path.join(export, "workloads.json"), "w") as f:
+            json.dump(peer, f)
     out["engines"] = {
         "static_batch": args.batch,
         "slots": args.batch,
@@ -66,7 +80,7 @@ def _workloads(cfg, params, args) -> dict:
     return out
 
 
-def _compare(cfg, params, args, profile: str, n: int, rng) -> dict:
+def _compare(cfg, params, args, profile: str, n: int, rng, peer: dict) -> dict:
     b, p, g, h = args.batch, args.prompt, args.group, args.harvest_every
     common = dict(max_prompt_len=p, max_new_tokens=n, eos_id=cfg.vocab_size - 1)
     static = Sampler(cfg, **common)
@@ -76,6 +90,15 @@ def _compare(cfg, params, args, profile: str, n: int, rng) -> dict:
     prompts = rng.integers(2, cfg.vocab_size - 1, size=(m, p))
     limits = _limits(profile, m * g, n, rng)
     rows, row_lengths = np.repeat(prompts, g, axis=0), np.repeat(lengths, g)
+    peer[profile] = {
+        "batch": b,
+        "group": g,
+        "prompts": prompts.tolist(),
+        "prompt_lengths": lengths.tolist(),
+        "limits": limits.tolist(),
+        "eos_id": cfg.vocab_size - 1,
+        "pad_id": 0,
+    }
     key, sp = jax.random.key(2), SamplingParams()
     stats = {}
 
@@ -140,13 +163,21 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="workload samples per prompt")
     ap.add_argument("--harvest-every", type=int, default=4, help="continuous engine window")
     ap.add_argument("--workloads-only", action="store_true", help="only the engine comparison")
+    ap.add_argument(
+        "--export-peer",
+        default="",
+        help="also write the model (Hugging Face format) and the workloads here, for "
+        "benchmarks/peers/generate_torch.py",
+    )
     args = ap.parse_args()
     b, p, n = args.batch, args.prompt, args.new
 
     cfg = ModelConfig.tiny()
     graphdef, params = init_model(cfg, seed=0)
     device = f"{jax.devices()[0].platform} ({platform.processor() or platform.machine()})"
-    workloads = _workloads(cfg, params, args)
+    workloads = _workloads(cfg, params, args, export=args.export_peer)
+    if args.export_peer:
+        save_hf(args.export_peer, cfg, params)
     if args.workloads_only:
         print(
             json.dumps({"device": device, "jax": jax.__version__, "workloads": workloads}, indent=2)

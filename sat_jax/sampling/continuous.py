@@ -369,23 +369,28 @@ class ContinuousSampler:
 
     def _run_impl(self, params, state: SlotState, version):
         """One window: up to h decode steps (fewer once no slot is live), then the cache shift.
-        Returns (state, steps run, live slot-steps)."""
+        Returns (state, steps run, live slot-steps).
+
+        Step i of the window writes column i of [S, h] window buffers (one column for every
+        slot, like the cache); after the window they go to each slot's own response positions
+        in one scatter."""
+        cfg = self.config
         p, n, h = self.max_prompt_len, self.max_new_tokens, self.harvest_every
-        base = self.slot_width - h
-        slots = jnp.arange(self.num_slots)
+        s_, base = self.num_slots, self.slot_width - h
+        k = cfg.num_experts_per_tok
 
         def cond(carry):
             i, s, _ = carry
             return (i < h) & jnp.any(s.live)
 
         def body(carry):
-            i, s, busy = carry
+            i, s, win = carry
             model = nnx.merge(self.graphdef, params)
             col = base + i
             kv_mask = jax.lax.dynamic_update_slice_in_dim(s.kv_mask, s.live[:, None], col, 1)
             out = model(
                 s.last[:, None],
-                input_mask=jnp.ones((self.num_slots, 1), jnp.bool_),
+                input_mask=jnp.ones((s_, 1), jnp.bool_),
                 positions=(s.prompt_lengths - 1 + s.step)[:, None],
                 cache=s.cache,
                 cache_index=col,
@@ -393,43 +398,58 @@ class ContinuousSampler:
             )
             keys = token_keys(s.key, s.sequence_ids, s.step)
             y, logp, cutoff = sample_next(out.logits[:, 0], keys, s.sampling)
-            j = jnp.where(s.live, s.step, n)  # out of range for free and finished slots: dropped
-
-            def put(a, offset, v):
-                return a.at[slots, offset + j].set(v, mode="drop")
-
-            step = s.step + s.live
-            return (
-                i + 1,
-                s._replace(
-                    cache=out.cache,
-                    kv_mask=kv_mask,
-                    last=jnp.where(s.live, y, s.last),
-                    step=step,
-                    live=s.live & (y != self.eos_id) & (step < s.limits),
-                    tokens=put(s.tokens, p, y),
-                    input_mask=put(s.input_mask, p, True),
-                    behavior_logp=put(s.behavior_logp, 0, logp),
-                    cutoffs=put(s.cutoffs, 0, cutoff),
-                    versions=put(s.versions, 0, version),
-                    routing=s.routing.at[:, slots, p - 1 + j].set(
-                        out.routing[:, :, 0], mode="drop"
-                    ),
-                ),
-                busy + jnp.sum(s.live, dtype=jnp.int32),
+            put = lambda a, v, axis=1: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+                a, jnp.expand_dims(v, axis), i, axis
             )
+            win = {
+                "y": put(win["y"], y),
+                "live": put(win["live"], s.live),
+                "logp": put(win["logp"], logp),
+                "cutoff": put(win["cutoff"], cutoff),
+                "routing": put(win["routing"], out.routing[:, :, 0], 2),
+            }
+            step = s.step + s.live
+            s = s._replace(
+                cache=out.cache,
+                kv_mask=kv_mask,
+                last=jnp.where(s.live, y, s.last),
+                step=step,
+                live=s.live & (y != self.eos_id) & (step < s.limits),
+            )
+            return i + 1, s, win
 
         zero = jnp.zeros((), jnp.int32)
-        steps, state, busy = jax.lax.while_loop(cond, body, (zero, state, zero))
+        win = {
+            "y": jnp.zeros((s_, h), jnp.int32),
+            "live": jnp.zeros((s_, h), jnp.bool_),
+            "logp": jnp.zeros((s_, h), jnp.float32),
+            "cutoff": jnp.zeros((s_, h), jnp.float32),
+            "routing": jnp.zeros((cfg.num_moe_layers, s_, h, k), jnp.int32),
+        }
+        first = state.step
+        steps, state, win = jax.lax.while_loop(cond, body, (zero, state, win))
+        # Response position of window column i: first + i while the slot was live; n (out of
+        # range, dropped) for columns it did not decode.
+        j = jnp.where(win["live"], first[:, None] + jnp.arange(h)[None], n)
+        rows = jnp.arange(s_)[:, None]
+
+        def scatter(a, offset, v):
+            return a.at[rows, offset + j].set(v, mode="drop")
 
         def shift(a):  # columns h … C − 1 to 0 … C − h − 1, the freed ones empty
             return jnp.concatenate([a[:, :, h:], jnp.zeros_like(a[:, :, :h])], axis=2)
 
         state = state._replace(
+            tokens=scatter(state.tokens, p, win["y"]),
+            input_mask=scatter(state.input_mask, p, True),
+            behavior_logp=scatter(state.behavior_logp, 0, win["logp"]),
+            cutoffs=scatter(state.cutoffs, 0, win["cutoff"]),
+            versions=scatter(state.versions, 0, version),
+            routing=state.routing.at[:, rows, p - 1 + j].set(win["routing"], mode="drop"),
             cache=LayerCache(shift(state.cache.k), shift(state.cache.v)),
             kv_mask=shift(state.kv_mask[None])[0],
         )
-        return state, steps, busy
+        return state, steps, jnp.sum(win["live"], dtype=jnp.int32)
 
     def _take_impl(self, state: SlotState, slots) -> SampleOutput:
         """The ``SampleOutput`` rows of ``slots`` [n]."""
