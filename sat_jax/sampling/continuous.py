@@ -254,10 +254,12 @@ class ContinuousSampler:
     def _build(self):
         shardings = self._shardings()
         out = None if shardings is None else (shardings, None, None)
+        # A session owns its state and replaces it with each call's result: donated, so the
+        # cache and the output buffers are updated in place.
         return (
             jax.jit(self._empty_impl, out_shardings=shardings),
-            jax.jit(self._admit_impl, out_shardings=shardings),
-            jax.jit(self._run_impl, out_shardings=out),
+            jax.jit(self._admit_impl, out_shardings=shardings, donate_argnums=1),
+            jax.jit(self._run_impl, out_shardings=out, donate_argnums=1),
             jax.jit(self._take_impl),
         )
 
