@@ -158,7 +158,8 @@ class SampleOutput(NamedTuple):
 _JIT_CACHE: collections.OrderedDict = collections.OrderedDict()
 _JIT_CACHE_SIZE = 16
 _JIT_CACHE_LOCK = threading.Lock()
-# fold_in tag of the router-noise stream of a rollout key (the sampling draws use fold_in(key, i)).
+# fold_in tag of the router-noise stream of a rollout key (the sampling draws fold in a sequence
+# id first, ``token_keys``: apart unless a batch reaches this many sequences).
 _ROUTER_NOISE_STREAM = 0x6E6F6973
 
 
