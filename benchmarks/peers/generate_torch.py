@@ -70,6 +70,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("peer_dir", help="directory written by benchmarks/sampler.py --export-peer")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", default="", help="one workload (heavy_tail | long_response)")
+    ap.add_argument("--no-warmup", action="store_true", help="time the first pass too")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     model = transformers.AutoModelForCausalLM.from_pretrained(args.peer_dir, dtype=torch.float32)
@@ -84,8 +86,11 @@ def main() -> None:
         "workloads": {},
     }
     for name, work in workloads.items():
+        if args.only and name != args.only:
+            continue
         torch.manual_seed(0)
-        _run(model, work)  # warm-up
+        if not args.no_warmup:
+            _run(model, work)
         times, useful, steps = [], 0, 0
         for _ in range(args.repeats):
             t0 = time.perf_counter()
