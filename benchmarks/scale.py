@@ -6,7 +6,10 @@ only), places it on a mesh of ``--devices`` fake CPU devices, then lowers and co
 * the trainer step (SAT-GSPO w/ R3, Adam, bf16 compute with fp32 master parameters, remat, the
   dispatching MoE, chunked log-probs) on ``--seqs`` sequences of ``--seq-len`` tokens per batch
   shard, and
-* one decode step of the rollout engine (bf16, KV cache of ``--seq-len`` slots),
+* one decode step of the rollout engine (bf16, KV cache of ``--seq-len`` slots), and one
+  window (``--harvest-every`` decode steps and the cache shift) of the continuous engine's
+  decode slots, one slot per sequence of the train step, the slot cache sharded as the static
+  one (its bytes per device reported),
 
 and prints one JSON object: parameter count; per-device bytes of parameters, gradients and
 optimizer state (from the shardings); XLA's compiled memory analysis of both steps; the MoE
@@ -52,6 +55,10 @@ def _parse():
         help="ModelConfig.attention_chunk of the train step (0: all queries at once)",
     )
     p.add_argument("--no-export", action="store_true", help="skip the TPU export")
+    p.add_argument("--harvest-every", type=int, default=8, help="continuous engine window")
+    p.add_argument(
+        "--decode-only", action="store_true", help="only the two decode steps (no train step)"
+    )
     return p.parse_args()
 
 
@@ -81,7 +88,8 @@ from sat_jax.models.transformer import (  # noqa: E402
 )
 from sat_jax.rl import trainer  # noqa: E402
 from sat_jax.rl.batch import RolloutBatch, batch_axes  # noqa: E402
-from sat_jax.sampling import Sampler, SamplingParams  # noqa: E402
+from sat_jax.sampling import ContinuousSampler, Sampler, SamplingParams  # noqa: E402
+from sat_jax.sampling.sampler import traced_sampling  # noqa: E402
 
 GIB = 2.0**30
 
@@ -155,9 +163,14 @@ def main(args) -> dict:
     ideal = (2 * _total_bytes(params) + _total_bytes(state.opt_state)) / len(jax.devices())
     out["params_grads_opt_per_device_over_ideal"] = round((2 * param_bytes + opt_bytes) / ideal, 4)
 
-    # ---------------------------------------------------------------- train step
     shards = data * fsdp
     b = args.seqs * shards
+    if args.decode_only:
+        out["decode_step"] = _decode(cfg, mesh, params, b, args)
+        out["slot_decode_window"] = _slot_window(cfg, mesh, params, b, args)
+        return out
+
+    # ---------------------------------------------------------------- train step
     n_resp = args.seq_len - args.prompt_len
     k = cfg.num_experts_per_tok
     batch = RolloutBatch.abstract(
@@ -229,6 +242,7 @@ def main(args) -> dict:
 
     # ---------------------------------------------------------------- decode step
     out["decode_step"] = _decode(cfg, mesh, params, b, args)
+    out["slot_decode_window"] = _slot_window(cfg, mesh, params, b, args)
 
     # ---------------------------------------------------------------- MoE FLOPs
     n_tok = args.seqs * args.seq_len
@@ -328,6 +342,40 @@ def _decode(cfg, mesh, params, rows, args) -> dict:
     return {
         "rows": rows,
         "cache_slots": t,
+        "compile_s": round(time.perf_counter() - t0, 1),
+        "memory": _memory(compiled),
+    }
+
+
+def _slot_window(cfg, mesh, params, slots, args) -> dict:
+    """One window of the continuous engine: ``--harvest-every`` decode steps of every slot and
+    the cache shift, slots over (data, fsdp) and KV heads over tensor."""
+    engine = ContinuousSampler(
+        cfg.replace(moe_impl="auto"),
+        max_prompt_len=args.prompt_len,
+        max_new_tokens=args.seq_len - args.prompt_len,
+        eos_id=0,
+        dtype=jnp.bfloat16,
+        num_slots=slots,
+        harvest_every=args.harvest_every,
+        mesh=mesh,
+    )
+    shardings = engine._shardings()
+    abstract = jax.eval_shape(
+        engine._empty_impl, jax.eval_shape(lambda: jax.random.key(0)), traced_sampling(None)
+    )
+    state = jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract, shardings
+    )
+    version = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    t0 = time.perf_counter()
+    compiled = engine._run.lower(params, state, version).compile()
+    return {
+        "slots": slots,
+        "harvest_every": args.harvest_every,
+        "cache_columns": engine.slot_width,
+        "slot_cache_per_device_gib": round(_device_bytes(state.cache) / GIB, 3),
+        "slot_state_per_device_gib": round(_device_bytes(state._replace(key=None)) / GIB, 3),
         "compile_s": round(time.perf_counter() - t0, 1),
         "memory": _memory(compiled),
     }

@@ -94,6 +94,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.group_size = 8  # G samples per prompt
     c.rollout.prompts_per_step = 16
     c.rollout.stream_chunk = 2  # decode steps between weight checks (stream mode)
+    # static: each batch decodes to its longest response (the reference) | continuous: decode
+    # slots refilled as responses finish (sat_jax.sampling.continuous), weight swaps at harvests.
+    c.rollout.engine = "static"
+    # Continuous engine: decode slots (0: one per sequence of a step, prompts_per_step / processes
+    # × group_size) and decode steps between admissions / harvests (and stream-mode weight swaps).
+    c.rollout.num_slots = 0
+    c.rollout.harvest_every = 4
 
     # Asynchrony (Section 4.4).
     c.lag_mode = "broadcast"  # fixed | broadcast | sampled | stream

@@ -323,6 +323,23 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
             f"rollout.top_k must be >= 0 and rollout.stream_chunk >= 1, got {r.top_k}, "
             f"{r.stream_chunk}"
         )
+    if r.engine not in ("static", "continuous"):
+        _fail(f"rollout.engine must be static|continuous, got {r.engine!r}")
+    if r.num_slots < 0 or r.harvest_every < 1:
+        _fail(
+            f"rollout.num_slots must be >= 0 and rollout.harvest_every >= 1, got {r.num_slots}, "
+            f"{r.harvest_every}"
+        )
+    if r.engine == "continuous" and r.router_noise:
+        _fail(
+            f"rollout.router_noise={r.router_noise} needs rollout.engine=static: the noise is "
+            "drawn per batch, not per sequence"
+        )
+    if r.engine == "continuous" and 0 < r.num_slots < g:
+        _fail(
+            f"rollout.num_slots={r.num_slots} is fewer than rollout.group_size={g}: a prompt's "
+            "samples decode in that many slots at once"
+        )
     m = config.mesh
     if m.rollout_device >= 0 and num_processes > 1:
         _fail(

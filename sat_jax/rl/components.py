@@ -26,7 +26,7 @@ from sat_jax.data import (
 from sat_jax.models import ModelConfig, check_mesh, init_model, load_hf, param_shardings
 from sat_jax.rl import sft, trainer
 from sat_jax.rl.rollout import RolloutEngine
-from sat_jax.sampling import Sampler, SamplingParams
+from sat_jax.sampling import ContinuousSampler, Sampler, SamplingParams
 
 
 def build_sources(config):
@@ -77,6 +77,28 @@ class Components:
         if self.rollout_device is not None:
             return jax.device_put(params, self.rollout_device)
         return parallel.local_view(params)
+
+
+def make_sampler(config, model_cfg: ModelConfig, tokenizer) -> Sampler | ContinuousSampler:
+    """The rollout engine of ``config.rollout.engine``: the static batch or the decode slots."""
+    r = config.rollout
+    common = dict(
+        max_prompt_len=config.data.max_prompt_len,
+        max_new_tokens=config.data.max_new_tokens,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        dtype=jnp.dtype(r.dtype),
+    )
+    if r.engine == "static":
+        return Sampler(model_cfg, router_noise=float(r.router_noise), **common)
+    sequences = r.prompts_per_step // jax.process_count() * r.group_size
+    return ContinuousSampler(
+        model_cfg,
+        num_slots=r.num_slots or sequences,
+        harvest_every=r.harvest_every,
+        group_size=r.group_size,
+        **common,
+    )
 
 
 def build(config, log=lambda msg: None) -> Components:
@@ -154,15 +176,7 @@ def build(config, log=lambda msg: None) -> Components:
             f"warm-up: {'cached' if sft_info.get('sft/cached') else 'trained'} "
             f"({sft_info['sft/seconds']:.1f}s)"
         )
-    sampler = Sampler(
-        model_cfg,
-        max_prompt_len=prompt_width,
-        max_new_tokens=response_width,
-        eos_id=tokenizer.eos_id,
-        pad_id=tokenizer.pad_id,
-        dtype=jnp.dtype(config.rollout.dtype),
-        router_noise=float(config.rollout.router_noise),
-    )
+    sampler = make_sampler(config, model_cfg, tokenizer)
     engine = RolloutEngine(
         sampler=sampler,
         tokenizer=tokenizer,

@@ -19,17 +19,18 @@ import numpy as np
 from sat_jax import advantages as advantage_lib
 from sat_jax.data import evaluate as evaluate_generations
 from sat_jax.rl.batch import RolloutBatch
-from sat_jax.sampling import DecodeState, SampleOutput, Sampler, SamplingParams
+from sat_jax.sampling import ContinuousSampler, DecodeState, SampleOutput, Sampler, SamplingParams
 
 Example = dict[str, Any]
 
 
 @dataclasses.dataclass
 class RolloutEngine:
-    """Turns prompt examples into scored, grouped training batches with one ``Sampler``.
+    """Turns prompt examples into scored, grouped training batches with one rollout engine.
 
     Args:
-      sampler: the rollout engine (its dtype may differ from the trainer's).
+      sampler: the rollout engine, static (``Sampler``) or continuous (``ContinuousSampler``,
+        built for ``group_size``); its dtype may differ from the trainer's.
       tokenizer: ``batch_encode(texts, pad_to) -> (ids, lengths)`` and ``decode(ids) -> str``.
       reward_fn: ``(completion, example) -> float``.
       group_size: G samples per prompt.
@@ -38,7 +39,7 @@ class RolloutEngine:
       prompt_format: maps a prompt to the text the policy reads (e.g. a chat template).
     """
 
-    sampler: Sampler
+    sampler: Sampler | ContinuousSampler
     tokenizer: Any
     reward_fn: Callable[[str, Example], float]
     group_size: int
@@ -52,6 +53,7 @@ class RolloutEngine:
         return self.tokenizer.batch_encode(texts, pad_to=self.sampler.max_prompt_len)
 
     def start(self, params, examples: Sequence[Example], key: jax.Array) -> DecodeState:
+        """The static engine's resumable decode state of ``examples`` (stream mode's chunks)."""
         ids, lengths = self.encode(examples)
         # The G copies of each prompt are prefilled once (Sampler.init(group_size=)).
         return self.sampler.init(
@@ -59,8 +61,11 @@ class RolloutEngine:
         )
 
     def generate(self, params, examples, key, version: int) -> SampleOutput:
-        state = self.start(params, examples, key)
-        return self.sampler.finalize(self.sampler.decode(params, state, version=version))
+        """G samples of every example with one parameter version, rows in example order."""
+        ids, lengths = self.encode(examples)
+        return self.sampler.generate(
+            params, ids, lengths, key, self.sampling, version, group_size=self.group_size
+        )
 
     def completions(self, out: SampleOutput) -> list[str]:
         response = np.asarray(out.tokens)[:, self.sampler.max_prompt_len :]

@@ -22,8 +22,12 @@ cut-off (Eq. 50), the routing and the parameter version of the step. Steps run i
 has finished, and can be called again with different parameters (the "stream" mode of Section
 4.4: the cache written by older parameters is kept, as in an engine that swaps weights in flight).
 
-Randomness: step i samples with ``fold_in(key, i)``, so results do not depend on how decoding is
-split into chunks, and a fixed key gives identical rollouts.
+Randomness (``token_keys``): the token at response position j of sequence n is drawn with
+``fold_in(fold_in(key, n), j)``, n = prompt index × G + sample index (the row, in a batch of
+groups). A token's key therefore depends on nothing but (prompt, sample, position): not on how
+decoding is split into chunks, on the batch it shares, or (in the continuous engine,
+``sat_jax.sampling.continuous``) on the slot, admission order or slot count, and both engines
+draw the same tokens from the same key.
 """
 
 from __future__ import annotations
@@ -57,12 +61,49 @@ class SamplingParams(NamedTuple):
     top_k: int = 0
 
 
+def token_keys(key: jax.Array, sequence_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    """[B] PRNG keys of the tokens at response ``positions`` [B] of sequences ``sequence_ids`` [B]:
+    ``fold_in(fold_in(key, n), j)``, the one rule both engines sample with."""
+    fold = lambda n, j: jax.random.fold_in(jax.random.fold_in(key, n), j)  # noqa: E731
+    return jax.vmap(fold)(sequence_ids.astype(jnp.uint32), positions.astype(jnp.uint32))
+
+
+def sample_next(
+    logits: jax.Array, keys: jax.Array, sampling: SamplingParams
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One token per row from logits [B, V] under ``sampling``, row b drawn with ``keys[b]``.
+
+    Returns (tokens [B] int32, behaviour log-probs [B] float32 under the distribution sampled from
+    (temperature, then the top-k / top-p support), support cut-offs [B] (Eq. 50)).
+    """
+    scaled = scale_logits(logits, sampling.temperature)  # [B, V]
+    cutoff = support_cutoff(scaled, sampling.top_p, sampling.top_k)
+    masked = apply_support_cutoff(scaled, cutoff)
+    y = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(masked, axis=-1), y[:, None], axis=-1)[:, 0]
+    return y, logp, cutoff
+
+
+def traced_sampling(sampling: SamplingParams | None) -> SamplingParams:
+    """``sampling`` (default: temperature 1, no truncation) as traced scalars, checked."""
+    sampling = SamplingParams() if sampling is None else sampling
+    sp = SamplingParams(
+        jnp.asarray(sampling.temperature, jnp.float32),
+        jnp.asarray(sampling.top_p, jnp.float32),
+        jnp.asarray(sampling.top_k, jnp.int32),
+    )
+    if not (np.asarray(sp.temperature) > 0 and 0 < np.asarray(sp.top_p) <= 1):
+        raise ValueError(f"sampling needs temperature > 0 and top_p in (0, 1], got {sampling}")
+    return sp
+
+
 class DecodeState(NamedTuple):
     """Resumable decode state (a pytree; see the module docstring for layouts)."""
 
     tokens: jax.Array  # [B, P + N] int32
     input_mask: jax.Array  # [B, P + N] bool
     prompt_lengths: jax.Array  # [B] int32
+    limits: jax.Array  # [B] int32: response tokens each sequence may take (≤ N)
     cache: LayerCache  # stacked [L, B, P + N, kv_heads, head_dim], engine dtype
     step: jax.Array  # int32 scalar: response tokens decoded so far
     done: jax.Array  # [B] bool: EOS sampled
@@ -117,12 +158,28 @@ class SampleOutput(NamedTuple):
 _JIT_CACHE: collections.OrderedDict = collections.OrderedDict()
 _JIT_CACHE_SIZE = 16
 _JIT_CACHE_LOCK = threading.Lock()
-# fold_in tag of the router-noise stream of a rollout key (the sampling draws use fold_in(key, i)).
+# fold_in tag of the router-noise stream of a rollout key (the sampling draws fold in a sequence
+# id first, ``token_keys``: apart unless a batch reaches this many sequences).
 _ROUTER_NOISE_STREAM = 0x6E6F6973
+
+
+def shared_jit(key: tuple, build):
+    """The jitted functions of ``key`` (built by ``build()`` on first use), shared by every engine
+    with the same static configuration. ``build`` binds them to the first engine with ``key``,
+    so every field the bodies read must be in the key."""
+    with _JIT_CACHE_LOCK:
+        if key in _JIT_CACHE:
+            _JIT_CACHE.move_to_end(key)
+        else:
+            _JIT_CACHE[key] = build()
+            if len(_JIT_CACHE) > _JIT_CACHE_SIZE:
+                _JIT_CACHE.popitem(last=False)
+        return _JIT_CACHE[key]
 
 
 def _shared_jit(sampler):
     key = (
+        "static",
         sampler.config,
         sampler.max_prompt_len,
         sampler.max_new_tokens,
@@ -130,18 +187,13 @@ def _shared_jit(sampler):
         sampler.pad_id,
         sampler.router_noise,
     )
-    with _JIT_CACHE_LOCK:
-        if key in _JIT_CACHE:
-            _JIT_CACHE.move_to_end(key)
-        else:
-            # Bound to the first sampler with this key; every field the bodies read is in the key.
-            _JIT_CACHE[key] = (
-                jax.jit(sampler._prefill_impl, static_argnums=6),
-                jax.jit(sampler._decode_impl),
-            )
-            if len(_JIT_CACHE) > _JIT_CACHE_SIZE:
-                _JIT_CACHE.popitem(last=False)
-        return _JIT_CACHE[key]
+    return shared_jit(
+        key,
+        lambda: (
+            jax.jit(sampler._prefill_impl, static_argnums=6),
+            jax.jit(sampler._decode_impl),
+        ),
+    )
 
 
 class Sampler:
@@ -221,6 +273,7 @@ class Sampler:
         sampling: SamplingParams | None = None,
         *,
         group_size: int = 1,
+        max_lengths=None,
     ) -> DecodeState:
         """Validate and left-align the prompts, prefill the KV cache; no token is sampled yet.
 
@@ -235,18 +288,16 @@ class Sampler:
             routing to the group's rows (the same cache the G rows would compute, to float
             rounding, for 1/G of the prefill); each row still samples its own response. Checked:
             a group whose prompts differ is a ValueError.
+          max_lengths: optional [B] int in [1, max_new_tokens]: a per-sequence response length
+            limit (a request's own ``max_tokens``); default max_new_tokens for every row.
         """
         tokens, mask, lengths = self._layout(prompts, prompt_lengths)
         group_size = self._check_groups(tokens, mask, group_size)
-        sampling = SamplingParams() if sampling is None else sampling
-        sp = SamplingParams(
-            jnp.asarray(sampling.temperature, jnp.float32),
-            jnp.asarray(sampling.top_p, jnp.float32),
-            jnp.asarray(sampling.top_k, jnp.int32),
+        limits = self.check_limits(max_lengths, tokens.shape[0])
+        sp = traced_sampling(sampling)
+        return self._prefill(
+            params, tokens, mask, lengths, key, sp, group_size, jnp.asarray(limits)
         )
-        if not (np.asarray(sp.temperature) > 0 and 0 < np.asarray(sp.top_p) <= 1):
-            raise ValueError(f"sampling needs temperature > 0 and top_p in (0, 1], got {sampling}")
-        return self._prefill(params, tokens, mask, lengths, key, sp, group_size)
 
     def decode(
         self, params: nnx.State, state: DecodeState, num_steps: int | None = None, version=0
@@ -290,9 +341,18 @@ class Sampler:
         version=0,
         *,
         group_size: int = 1,
+        max_lengths=None,
     ) -> SampleOutput:
         """``init`` + ``decode`` to the end with one parameter version + ``finalize``."""
-        state = self.init(params, prompts, prompt_lengths, key, sampling, group_size=group_size)
+        state = self.init(
+            params,
+            prompts,
+            prompt_lengths,
+            key,
+            sampling,
+            group_size=group_size,
+            max_lengths=max_lengths,
+        )
         return self.finalize(self.decode(params, state, version=version))
 
     # ------------------------------------------------------------------ internals
@@ -334,6 +394,21 @@ class Sampler:
             mask[i, p - li : p] = True
         return jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(lengths)
 
+    def check_limits(self, max_lengths, b: int) -> np.ndarray:
+        """Per-sequence response limits [b] int32 (default ``max_new_tokens``), checked."""
+        n = self.max_new_tokens
+        if max_lengths is None:
+            return np.full((b,), n, np.int32)
+        _checks.check_shape("max_lengths", max_lengths, (b,))
+        _checks.check_integer("max_lengths", max_lengths)
+        limits = np.asarray(max_lengths).astype(np.int32)
+        if b and not (limits.min() >= 1 and limits.max() <= n):
+            raise ValueError(
+                f"max_lengths must lie in [1, max_new_tokens={n}], got [{limits.min()}, "
+                f"{limits.max()}]"
+            )
+        return limits
+
     @staticmethod
     def _check_groups(tokens, mask, group_size) -> int:
         if (
@@ -354,7 +429,7 @@ class Sampler:
                 )
         return g
 
-    def _prefill_impl(self, params, tokens, mask, lengths, key, sampling, group=1):
+    def _prefill_impl(self, params, tokens, mask, lengths, key, sampling, group=1, limits=None):
         cfg = self.config
         b = tokens.shape[0]
         p, n = self.max_prompt_len, self.max_new_tokens
@@ -380,6 +455,7 @@ class Sampler:
             tokens=tokens,
             input_mask=mask,
             prompt_lengths=lengths,
+            limits=jnp.full((b,), n, jnp.int32) if limits is None else limits,
             cache=cache,
             step=jnp.zeros((), jnp.int32),
             done=jnp.zeros((b,), jnp.bool_),
@@ -411,14 +487,11 @@ class Sampler:
                 kv_mask=s.input_mask,
                 router_noise=self._noise(s.key, s.step),
             )
-            sp = s.sampling
-            scaled = scale_logits(out.logits[:, 0], sp.temperature)  # [B, V]
-            cutoff = support_cutoff(scaled, sp.top_p, sp.top_k)
-            masked = apply_support_cutoff(scaled, cutoff)
-            y = jax.random.categorical(jax.random.fold_in(s.key, s.step), masked, axis=-1)
-            logp = jnp.take_along_axis(jax.nn.log_softmax(masked, axis=-1), y[:, None], axis=-1)
+            rows = jnp.arange(s.tokens.shape[0], dtype=jnp.int32)
+            keys = token_keys(s.key, rows, jnp.broadcast_to(s.step, rows.shape))
+            y, logp, cutoff = sample_next(out.logits[:, 0], keys, s.sampling)
             active = ~s.done
-            y = jnp.where(active, y, self.pad_id).astype(jnp.int32)
+            y = jnp.where(active, y, self.pad_id)
             col = lambda a, v: jax.lax.dynamic_update_slice_in_dim(a, v[:, None], s.step, axis=1)
             return DecodeState(
                 tokens=jax.lax.dynamic_update_slice_in_dim(s.tokens, y[:, None], slot + 1, 1),
@@ -426,10 +499,11 @@ class Sampler:
                     s.input_mask, active[:, None], slot + 1, 1
                 ),
                 prompt_lengths=s.prompt_lengths,
+                limits=s.limits,
                 cache=out.cache,
                 step=s.step + 1,
-                done=s.done | (active & (y == self.eos_id)),
-                behavior_logp=col(s.behavior_logp, jnp.where(active, logp[:, 0], 0.0)),
+                done=s.done | (active & ((y == self.eos_id) | (s.step + 1 >= s.limits))),
+                behavior_logp=col(s.behavior_logp, jnp.where(active, logp, 0.0)),
                 cutoffs=col(s.cutoffs, jnp.where(active, cutoff, -jnp.inf)),
                 versions=col(s.versions, jnp.where(active, version, -1)),
                 routing=jax.lax.dynamic_update_slice_in_dim(s.routing, out.routing, slot, 2),

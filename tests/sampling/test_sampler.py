@@ -218,3 +218,25 @@ def test_bad_input_raises_value_errors(cfg, params, sampler32):
         sampler32.init(p, PROMPTS, LENGTHS, key, SamplingParams(temperature=0.0))
     with pytest.raises(ValueError, match="eos_id"):
         Sampler(cfg, max_prompt_len=P, max_new_tokens=N, eos_id=cfg.vocab_size)
+
+
+def test_a_tokens_key_depends_on_its_row_and_position_only(params, sampler32):
+    """Row n, position j draws with fold_in(fold_in(key, n), j): the first rows of a batch sample
+    what they sample alone, and a per-row length limit stops a row without moving the others."""
+    _, p = params
+    key = jax.random.key(6)
+    full = sampler32.generate(p, PROMPTS, LENGTHS, key, TRUNCATED)
+    head = sampler32.generate(p, PROMPTS[:4], LENGTHS[:4], key, TRUNCATED)
+    np.testing.assert_array_equal(head.tokens, full.tokens[:4])
+    np.testing.assert_allclose(head.behavior_logp, full.behavior_logp[:4], atol=1e-6)
+    limits = np.array([1, 3, N, 2, N, N, 5, 4])
+    cut = sampler32.generate(p, PROMPTS, LENGTHS, key, TRUNCATED, max_lengths=limits)
+    want = np.minimum(np.asarray(full.response_lengths), limits)
+    np.testing.assert_array_equal(cut.response_lengths, want)
+    keep = np.arange(N)[None, :] < want[:, None]
+    np.testing.assert_array_equal(
+        np.where(keep, cut.response_tokens, -1), np.where(keep, full.response_tokens, -1)
+    )
+    np.testing.assert_array_equal(cut.versions, np.where(keep, 0, -1))
+    with pytest.raises(ValueError, match="max_lengths"):
+        sampler32.init(p, PROMPTS, LENGTHS, key, max_lengths=np.full(8, N + 1))
