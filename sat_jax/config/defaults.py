@@ -135,6 +135,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.schedule = "constant"  # constant | cosine
     c.optim.num_minibatches = 1
     c.optim.updates_per_batch = 1
+    # An update whose loss, gradient or step is NaN or infinite is not applied (logged as
+    # optim/nonfinite_updates); this many training steps in a row with one stop the run.
+    c.optim.max_nonfinite_steps = 3
 
     # Supervised warm-up to a weak base policy (cached by content hash).
     c.sft = ml_collections.ConfigDict()

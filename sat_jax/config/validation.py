@@ -45,6 +45,7 @@ RESUMABLE = (
     "eval.every",
     "mesh",
     "sft.cache_dir",
+    "optim.max_nonfinite_steps",
 )
 
 _CORRECTION_OFF = "none"
@@ -188,6 +189,9 @@ def _check_optim(config) -> None:
         _fail(f"optim.schedule: {e}")
     if o.updates_per_batch < 1:
         _fail(f"optim.updates_per_batch must be >= 1, got {o.updates_per_batch}")
+    n = o.max_nonfinite_steps
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        _fail(f"optim.max_nonfinite_steps must be an int >= 1, got {n!r}")
 
 
 def _check_data(config) -> None:

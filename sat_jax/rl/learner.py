@@ -7,7 +7,13 @@ The loop (:func:`train`) only reads the next batch, steps, publishes the new ver
 hooks; which version samples which batch and which versions stay in memory is the rollout
 source's business (``sat_jax.rl.rollout_sources``), building the components is
 ``sat_jax.rl.components``,
-Ctrl-C and timers are ``sat_jax.rl.controls``.
+stop signals, the non-finite-update guard and timers are ``sat_jax.rl.controls``.
+
+Safety: one process trains in a workdir at a time (``sat_jax.run.lock``); SIGINT and SIGTERM
+save a checkpoint and stop, on every host after the same step; an update with a non-finite loss
+or gradient is not applied, and ``optim.max_nonfinite_steps`` such steps in a row stop the run
+(:class:`NonFiniteError`); no checkpoint is written with a non-finite value, and a restored one
+is checked (``sat_jax.run.checkpoint``).
 
 Reproducibility: randomness comes from named streams of the seed (``sat_jax.rl.rng``), the prompt
 iterator, optimizer state and snapshot store are checkpointed, so in the ``fixed`` and
@@ -33,20 +39,23 @@ from sat_jax.config.validation import changed_fields, loss_spec, plain, validate
 from sat_jax.data import PromptIterator
 from sat_jax.rl import rng, trainer
 from sat_jax.rl.components import Components, build, build_sources, shared_train_step
-from sat_jax.rl.controls import StopFlag, Timer
+from sat_jax.rl.controls import NonFiniteError, NonFiniteGuard, StopFlag, Timer
 from sat_jax.rl.lag import LagSchedule, lag_stats
 from sat_jax.rl.rollout import batch_stats, evaluate
 from sat_jax.rl.rollout_sources import Rollout, RolloutSource, ScheduledRollouts
 from sat_jax.rl.stream import StreamRollouts
 from sat_jax.run import workdir as workdir_lib
 from sat_jax.run.checkpoint import Checkpointer
+from sat_jax.run.lock import WorkdirLock, WorkdirLocked
 from sat_jax.run.metrics import METRICS_FILE, RunLogger
 from sat_jax.run.plots import plot_run
 from sat_jax.run.progress import Progress
 
 __all__ = [
     "Components",
+    "NonFiniteError",
     "ResumeError",
+    "WorkdirLocked",
     "build",
     "build_sources",
     "evaluate_run",
@@ -108,15 +117,27 @@ def _restore_target(state, params, ref_params):
 
 def evaluate_run(config) -> dict[str, Any]:
     """Held-out evaluation of the latest valid checkpoint of ``config``'s run directory; equal to
-    the in-training evaluation at that step."""
+    the in-training evaluation at that step.
+
+    The checkpoints are opened read-only: nothing in the run directory is created, moved or
+    cleaned, so a run may be evaluated while it trains.
+
+    Raises:
+      FileNotFoundError: the run directory holds no checkpoint (checked before anything is
+        built).
+    """
     workdir, ckpt_dir = workdir_lib.run_paths(config)
-    parts = build(config)
-    state = trainer.init_train_state(
-        parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
-    )
-    with Checkpointer(ckpt_dir) as ckpt:
+    if not epath.Path(ckpt_dir).is_dir():
+        raise FileNotFoundError(
+            f"no checkpoints in {workdir} ({ckpt_dir} does not exist): is it a run directory?"
+        )
+    with Checkpointer(ckpt_dir, read_only=True) as ckpt:
         if ckpt.latest_step() is None:
-            raise FileNotFoundError(f"no checkpoint in {workdir}")
+            raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
+        parts = build(config)
+        state = trainer.init_train_state(
+            parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
+        )
         restored, _, step = ckpt.restore(_restore_target(state, parts.params, parts.params))
     return {
         "workdir": workdir,
@@ -228,6 +249,7 @@ class _Session:
             self.end, is_primary=self.primary and config.log.progress and not quiet
         )
         self.timer = Timer()
+        self.nonfinite = NonFiniteGuard(config.optim.max_nonfinite_steps)
         self.history: list[dict[str, float]] = []
         self.eval_result = None
 
@@ -237,13 +259,25 @@ class _Session:
         if self.parts.spec.needs_ref:
             extra["ref"] = self.ref_params
         o = self.config.optim
+        skipped = 0.0  # updates the step refused (non-finite), summed on device
         for _ in range(o.updates_per_batch):
             for mb in rollout.batch.minibatches(o.num_minibatches):
                 share = trainer.shares_prompt(mb, self.parts.spec, self.config.data.max_prompt_len)
                 self.state, metrics = self.train_step(
                     self.state, mb.shard(self.parts.mesh), extra, share=share
                 )
+                skipped = skipped + metrics["optim/nonfinite"]
+        metrics = dict(metrics, **{"optim/nonfinite_updates": skipped})
         return {k: float(v) for k, v in parallel.to_host(metrics).items()}
+
+    def check_finite(self, step: int, train: dict[str, float]) -> None:
+        """Warns about refused updates; raises ``NonFiniteError`` after too many in a row."""
+        o = self.config.optim
+        warning = self.nonfinite.check(
+            step + 1, int(train["optim/nonfinite_updates"]), o.updates_per_batch * o.num_minibatches
+        )
+        if warning:
+            self.log(warning)
 
     def record(
         self, step: int, rollout: Rollout, train: dict[str, float], train_s: float, step_s: float
@@ -321,10 +355,18 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
 
     Raises:
       ConfigError: ``config`` is impossible (before any compute).
+      WorkdirLocked: another live process trains in the workdir (before any compute).
       ResumeError: the workdir holds a run with another config and ``config.resume`` is set.
+      NonFiniteError: ``config.optim.max_nonfinite_steps`` steps in a row had a non-finite loss
+        or gradient (none of their updates was applied or saved).
     """
     validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
     workdir, ckpt_dir = workdir_lib.run_paths(config)
+    with WorkdirLock(workdir, "train"):
+        return _train(config, workdir, ckpt_dir, max_steps=max_steps, quiet=quiet)
+
+
+def _train(config, workdir: str, ckpt_dir: str, *, max_steps, quiet) -> dict[str, Any]:
     log = (
         (lambda msg: None)
         if (quiet or not parallel.is_primary())
@@ -346,6 +388,7 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
                 "end_step": resumed,
                 "finished": True,
                 "interrupted": False,
+                "signal": None,
                 "wall_seconds": 0.0,
                 "compiled_seconds": 0.0,
                 "outside_compiled_share": 0.0,
@@ -355,11 +398,12 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
             }
         s = _Session(config, max_steps=max_steps, quiet=quiet, ckpt=ckpt, workdir=workdir, log=log)
         interrupted = False
+        stop = StopFlag()
         try:
             if s.start == 0 and config.eval.every:
                 s.evaluate(0)
             s.source.start()
-            with StopFlag() as stop:
+            with stop:
                 for step in range(s.start, s.end):
                     t0 = time.perf_counter()
                     rollout = s.source.next(step)
@@ -370,8 +414,9 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
                     train_s = time.perf_counter() - t1
                     s.source.publish(step + 1, s.state.params)
                     s.record(step, rollout, train_metrics, train_s, time.perf_counter() - t0)
+                    s.check_finite(step, train_metrics)
                     s.hooks(step + 1)
-                    if stop.requested:
+                    if stop.agreed():
                         interrupted = True
                         s.save(step + 1)
                         log(f"interrupted: checkpoint saved at step {step + 1} in {workdir}")
@@ -390,6 +435,7 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
         "end_step": s.start + len(s.history),
         "finished": False,
         "interrupted": interrupted,
+        "signal": stop.signum if interrupted else None,
         "wall_seconds": wall,
         "compiled_seconds": s.timer.compiled,
         "outside_compiled_share": 1.0 - s.timer.compiled / wall if wall > 0 else 0.0,
