@@ -86,6 +86,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.group_size = 8  # G samples per prompt
     c.rollout.prompts_per_step = 16
     c.rollout.stream_chunk = 2  # decode steps between weight checks (stream mode)
+    # Seconds the trainer waits for the stream worker's next batch before it fails (the first
+    # wait includes the worker's compilation).
+    c.rollout.stream_timeout_s = 600.0
 
     # Asynchrony (Section 4.4).
     c.lag_mode = "broadcast"  # fixed | broadcast | stream

@@ -46,6 +46,7 @@ RESUMABLE = (
     "mesh",
     "sft.cache_dir",
     "optim.max_nonfinite_steps",
+    "rollout.stream_timeout_s",
 )
 
 _CORRECTION_OFF = "none"
@@ -238,6 +239,9 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
             f"rollout.top_p must be in (0, 1] and rollout.temperature > 0, got {r.top_p}, "
             f"{r.temperature}"
         )
+    t = r.stream_timeout_s
+    if isinstance(t, bool) or not isinstance(t, int | float) or not (t > 0 and math.isfinite(t)):
+        _fail(f"rollout.stream_timeout_s must be a finite number of seconds > 0, got {t!r}")
     if r.top_k < 0 or r.stream_chunk < 1:
         _fail(
             f"rollout.top_k must be >= 0 and rollout.stream_chunk >= 1, got {r.top_k}, "

@@ -68,6 +68,10 @@ __all__ = [
 _OUTPUTS = (METRICS_FILE, "config.json", "config.yaml", "tensorboard", "plots")
 
 
+# Checkpointed rollout data, not weights: its support cut-offs are -inf where nothing was cut.
+_DATA = ("stream",)
+
+
 class ResumeError(ValueError):
     """The workdir holds a different run; the message names the differing fields."""
 
@@ -85,6 +89,7 @@ def make_source(config, parts: Components, prompts, *, first_step: int) -> Rollo
             queue_size=max(1, config.lag),
             chunk=config.rollout.stream_chunk,
             first_index=first_step,
+            timeout=config.rollout.stream_timeout_s,
             **common,
         )
     return ScheduledRollouts(
@@ -106,11 +111,14 @@ def _eval(config, parts: Components, params, step: int) -> dict[str, float]:
 
 def _restore_target(state, params, ref_params):
     def target(meta):
-        return {
+        out = {
             "state": state._asdict(),
             "store": {str(v): params for v in meta["store_versions"]},
             "ref": ref_params,
         }
+        if meta.get("stream", {}).get("queued"):  # stream mode's finished, untrained batches
+            out["stream"] = StreamRollouts.checkpoint_target(meta["stream"])
+        return out
 
     return target
 
@@ -138,7 +146,9 @@ def evaluate_run(config) -> dict[str, Any]:
         state = trainer.init_train_state(
             parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
         )
-        restored, _, step = ckpt.restore(_restore_target(state, parts.params, parts.params))
+        restored, _, step = ckpt.restore(
+            _restore_target(state, parts.params, parts.params), unchecked=_DATA
+        )
     return {
         "workdir": workdir,
         "step": step,
@@ -221,13 +231,15 @@ class _Session:
         restored = None
         if config.resume and ckpt.latest_step() is not None:
             restored, meta, self.start = ckpt.restore(
-                _restore_target(self.state, parts.params, self.ref_params)
+                _restore_target(self.state, parts.params, self.ref_params), unchecked=_DATA
             )
             self.iterator.restore(meta["iterator"])
         self.source = make_source(config, parts, self.iterator, first_step=self.start)
         if restored is not None:
             self.state = trainer.TrainState(**restored["state"])
             self.source.store.load(restored["store"])
+            if "stream" in meta and isinstance(self.source, StreamRollouts):
+                self.source.restore(restored.get("stream", {}), meta["stream"])
             self.ref_params = restored["ref"]
             log(f"resumed from {workdir} at step {self.start}")
         else:
@@ -330,18 +342,18 @@ class _Session:
     def save(self, step: int) -> None:
         if step in self.ckpt.all_steps():
             return
+        state = {"state": self.state._asdict(), "ref": self.ref_params}
+        meta = {"step": step, "iterator": self.iterator.state(), "config": plain(self.config)}
+        if isinstance(self.source, StreamRollouts):
+            # The worker has drawn prompts ahead: the position saved is the one its unfinished
+            # batch drew from, and its finished batches are saved with the versions they need.
+            arrays, meta["stream"] = self.source.checkpoint()
+            meta["iterator"] = meta["stream"].pop("iterator")
+            if arrays:
+                state["stream"] = arrays
         store = self.source.store
-        self.ckpt.save(
-            step,
-            {"state": self.state._asdict(), "store": store.state(), "ref": self.ref_params},
-            {
-                "step": step,
-                "iterator": self.iterator.state(),
-                "store_versions": store.versions(),
-                "config": plain(self.config),
-            },
-            force=True,
-        )
+        state["store"], meta["store_versions"] = store.state(), store.versions()
+        self.ckpt.save(step, state, meta, force=True, unchecked=_DATA)
 
     def close(self) -> None:
         self.source.close()

@@ -12,20 +12,35 @@ so the store keeps only the newest version, plus, when the loss recomputes the b
 the version each unconsumed batch started from (its oldest token's version): at most
 ``queue_size + 1`` batches are unconsumed (queued, or finished and waiting for a free slot), so
 the store never holds more than ``queue_size + 2``.
+
+Resuming: :meth:`StreamRollouts.checkpoint` gives every finished batch not yet trained on (the
+queued ones and one waiting for a slot), with its per-token versions and the version it started
+from, plus the prompt iterator's position before the batch being decoded; the store's state
+(saved beside it) holds the versions those batches need. :meth:`StreamRollouts.restore` puts
+them back in order, so a resumed run trains on exactly the batches the interrupted one had
+finished. A batch still being decoded is discarded, and counted: its prompts are drawn again,
+with the same key, after the resume.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 from sat_jax.rl import rng
+from sat_jax.rl.batch import RolloutBatch
 from sat_jax.rl.rollout import RolloutEngine
 from sat_jax.rl.rollout_sources import Rollout
 from sat_jax.rl.snapshots import SnapshotStore
+
+_log = logging.getLogger(__name__)
 
 
 class StreamRollouts:
@@ -41,6 +56,8 @@ class StreamRollouts:
       needs_old: hand each batch's behaviour version (the one it started from) to the trainer.
       placement: the store's ``"device"`` or ``"host"``.
       view: maps stored parameters to the copy the engine samples from.
+      timeout: seconds :meth:`next` waits for a batch (the first wait includes the worker's
+        compilation); ``rollout.stream_timeout_s`` in a run's config.
     """
 
     def __init__(
@@ -55,9 +72,13 @@ class StreamRollouts:
         needs_old: bool = False,
         placement: str = "device",
         view: Callable[[Any], Any] = lambda params: params,
+        timeout: float = 600.0,
     ):
         if queue_size < 1 or chunk < 1:
             raise ValueError(f"queue_size and chunk must be >= 1, got {queue_size}, {chunk}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.timeout = float(timeout)
         self.engine, self.prompts, self.seed = engine, prompts, seed
         self.chunk, self.needs_old, self.view = chunk, needs_old, view
         self.store = SnapshotStore(queue_size + 2 if needs_old else 1, placement)
@@ -67,6 +88,10 @@ class StreamRollouts:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._index = first_index
+        # Under _lock: the batch being decoded (index, prompt position before its draw), and a
+        # finished one waiting for a free slot.
+        self._inflight: tuple[int, Any] | None = None
+        self._finished: tuple[int, RolloutBatch] | None = None
         self.swaps = 0
         self._thread = threading.Thread(target=self._run, name="sat-jax-rollout", daemon=True)
 
@@ -82,27 +107,42 @@ class StreamRollouts:
 
     def _run(self):
         try:
-            sampler = self.engine.sampler
             while not self._stop.is_set():
-                examples = next(self.prompts)
-                index = self._index
-                version, params = self._latest(pin=index)
-                state = self.engine.start(params, examples, rng.key(self.seed, "stream", index))
-                while not sampler.is_done(state):
-                    state = sampler.decode(params, state, num_steps=self.chunk, version=version)
-                    if self.store.latest_version() > version:  # weights swapped mid-decode
-                        version, params = self._latest()
-                        self.swaps += 1
-                batch = self.engine.score(examples, sampler.finalize(state))
-                self._index += 1
-                while not self._stop.is_set():
-                    try:
-                        self.queue.put((index, batch), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                if self._finished is None:  # else one restored from a checkpoint goes first
+                    self._produce()
+                self._hand_over()
         except BaseException as e:  # surfaced to the trainer by next()
             self._error = e
+
+    def _produce(self) -> None:
+        sampler = self.engine.sampler
+        with self._lock:
+            index, before = self._index, _position(self.prompts)
+            examples = next(self.prompts)
+            self._inflight = (index, before)
+        version, params = self._latest(pin=index)
+        state = self.engine.start(params, examples, rng.key(self.seed, "stream", index))
+        while not sampler.is_done(state):
+            state = sampler.decode(params, state, num_steps=self.chunk, version=version)
+            if self.store.latest_version() > version:  # weights swapped mid-decode
+                version, params = self._latest()
+                self.swaps += 1
+        batch = self.engine.score(examples, sampler.finalize(state))
+        with self._lock:
+            self._inflight, self._finished = None, (index, batch)
+            self._index += 1
+
+    def _hand_over(self) -> None:
+        """Moves the finished batch into the queue once it has room (back-pressure)."""
+        while not self._stop.is_set():
+            with self._lock:  # in the queue or waiting, never both, for checkpoint()
+                try:
+                    self.queue.put_nowait(self._finished)
+                    self._finished = None
+                    return
+                except queue.Full:
+                    pass
+            time.sleep(0.01)
 
     def _get(self, timeout: float):
         deadline = time.time() + timeout
@@ -113,12 +153,16 @@ class StreamRollouts:
                 return self.queue.get(timeout=0.1)
             except queue.Empty:
                 if time.time() > deadline:
-                    raise TimeoutError(f"no rollout batch within {timeout} s") from None
+                    raise TimeoutError(
+                        f"no rollout batch within {timeout} s (rollout.stream_timeout_s; the "
+                        "first wait includes the rollout worker's compilation)"
+                    ) from None
 
-    def next(self, step: int, timeout: float = 600.0) -> Rollout:
-        """The oldest finished batch; re-raises a worker failure."""
+    def next(self, step: int, timeout: float | None = None) -> Rollout:
+        """The oldest finished batch; re-raises a worker failure. ``timeout``: seconds to wait
+        (default: the source's ``timeout``)."""
         t0 = time.perf_counter()
-        index, batch = self._get(timeout)
+        index, batch = self._get(self.timeout if timeout is None else timeout)
         wait = time.perf_counter() - t0
         with self._lock:
             started = self._pinned.pop(index)
@@ -136,7 +180,93 @@ class StreamRollouts:
             keep = set(self._pinned.values()) if self.needs_old else set()
             self.store.put(version, params, keep=keep)
 
+    def checkpoint(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(arrays, meta)`` of the finished batches not yet trained on, oldest first: arrays
+        ``{str(index): {field: np.ndarray}}``, meta ``{"queued": [{"index", "started",
+        "fields": {field: [shape, dtype]}}], "next_index", "iterator", "inflight"}`` (the prompt
+        position and index the worker resumes from, and how many partial rollouts that
+        discards). Call from the trainer's thread, between steps; the worker keeps running."""
+        with self._lock:
+            items = sorted(
+                list(self.queue.queue) + ([self._finished] if self._finished else []),
+                key=lambda item: item[0],
+            )
+            started = {i: self._pinned[i] for i, _ in items}
+            if self._inflight is not None:
+                (next_index, position), inflight = self._inflight, 1
+            else:
+                next_index, position, inflight = self._index, _position(self.prompts), 0
+        arrays = {str(i): dataclasses.asdict(batch) for i, batch in items}
+        queued = [
+            {
+                "index": i,
+                "started": started[i],
+                "fields": {
+                    k: [list(np.shape(v)), np.asarray(v).dtype.str]
+                    for k, v in arrays[str(i)].items()
+                },
+            }
+            for i, _ in items
+        ]
+        meta = {
+            "queued": queued,
+            "next_index": next_index,
+            "iterator": position,
+            "inflight": inflight,
+        }
+        return arrays, meta
+
+    @staticmethod
+    def checkpoint_target(meta: dict[str, Any]) -> dict[str, Any]:
+        """The ``arrays`` structure of :meth:`checkpoint` for ``meta``, to restore into."""
+        return {
+            str(q["index"]): {
+                k: np.zeros(shape, np.dtype(dtype)) for k, (shape, dtype) in q["fields"].items()
+            }
+            for q in meta["queued"]
+        }
+
+    def restore(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Puts the batches of :meth:`checkpoint` back, before :meth:`start`; the prompt
+        iterator must be at ``meta["iterator"]`` and the store hold the versions it had."""
+        if self._thread.is_alive():
+            raise RuntimeError("restore() must come before start()")
+        items = [
+            (
+                q["index"],
+                RolloutBatch(**{k: np.asarray(v) for k, v in arrays[str(q["index"])].items()}),
+            )
+            for q in meta["queued"]
+        ]
+        with self._lock:
+            self._index = int(meta["next_index"])
+            self._pinned = {q["index"]: q["started"] for q in meta["queued"]}
+            for item in items[: self.queue.maxsize]:
+                self.queue.put_nowait(item)
+            rest = items[self.queue.maxsize :]
+            if len(rest) > 1:
+                raise ValueError(
+                    f"{len(items)} saved batches exceed the queue of {self.queue.maxsize} and "
+                    "one waiting batch: resume with the lag the run was saved with"
+                )
+            self._finished = rest[0] if rest else None
+        if meta["inflight"]:
+            _log.warning(
+                "stream resume: discarded %d partial rollout(s) being decoded at the "
+                "checkpoint (batch %d; its prompts are drawn again); %d finished batch(es) "
+                "restored",
+                meta["inflight"],
+                self._index,
+                len(items),
+            )
+
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=60)
+
+
+def _position(prompts) -> Any:
+    """The prompt iterator's resumable position (``None`` for a plain iterator)."""
+    state = getattr(prompts, "state", None)
+    return state() if callable(state) else None

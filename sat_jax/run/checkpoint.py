@@ -57,7 +57,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
@@ -170,7 +170,15 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: Any, meta: Mapping[str, Any], *, force: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        meta: Mapping[str, Any],
+        *,
+        force: bool = False,
+        unchecked: Collection[str] = (),
+    ) -> bool:
         """Writes ``state`` and ``meta`` at ``step``; every process must call it.
 
         Args:
@@ -180,6 +188,8 @@ class Checkpointer:
           meta: JSON-serialisable dict. NumPy scalars and 0-d arrays become Python numbers and
             tuples become lists, so that is what ``restore`` gives back.
           force: Save even if ``step`` is not a multiple of ``save_interval_steps``.
+          unchecked: Top-level keys of a dict ``state`` whose values may hold NaN or infinity
+            (data such as a mask of ``-inf``); every other floating-point leaf must be finite.
 
         Returns:
           Whether a checkpoint was started (with ``async_save`` it may still be in flight).
@@ -192,7 +202,7 @@ class Checkpointer:
             raise ValueError(f"cannot save step {step}: {self.directory} was opened read-only")
         step = _check_step(step)
         _check_no_typed_keys(state)
-        bad = nonfinite_leaves(state)
+        bad = nonfinite_leaves(_without(state, unchecked))
         if bad:
             raise NonFiniteStateError(
                 f"refusing to save step {step} in {self.directory}: NaN or infinity in "
@@ -225,7 +235,9 @@ class Checkpointer:
         """
         return self._walk(step, self._restore_meta)
 
-    def restore(self, target_state: Target, step: int | None = None) -> tuple[Any, dict, int]:
+    def restore(
+        self, target_state: Target, step: int | None = None, *, unchecked: Collection[str] = ()
+    ) -> tuple[Any, dict, int]:
         """Restores ``(state, meta, step)``; every process must call it.
 
         Args:
@@ -236,6 +248,7 @@ class Checkpointer:
             the step; it is called with each candidate step's meta.
           step: Step to restore. ``None`` restores the newest valid step, walking back past
             invalid ones with a warning each.
+          unchecked: As in ``save``: top-level keys not checked for NaN and infinity.
 
         Raises:
           FileNotFoundError: The directory holds no checkpoint, or none could be restored (the
@@ -251,7 +264,7 @@ class Checkpointer:
             restored = self._manager.restore(
                 s, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
             )
-            bad = nonfinite_leaves(restored[_STATE])
+            bad = nonfinite_leaves(_without(restored[_STATE], unchecked))
             if bad:
                 raise _Corrupt(f"NaN or infinity in {_names(bad)}")
             return restored[_STATE], meta, s
@@ -454,6 +467,12 @@ def nonfinite_leaves(tree: Any) -> list[str]:
 @jax.jit
 def _all_finite(x: jax.Array) -> jax.Array:
     return jnp.isfinite(x).all()
+
+
+def _without(state: Any, keys: Collection[str]) -> Any:
+    if not keys:
+        return state
+    return {k: v for k, v in state.items() if k not in keys}
 
 
 def _names(paths: list[str], limit: int = 5) -> str:
