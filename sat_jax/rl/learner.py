@@ -347,7 +347,9 @@ class _Session:
         if isinstance(self.source, StreamRollouts):
             # The worker has drawn prompts ahead: the position saved is the one its unfinished
             # batch drew from, and its finished batches are saved with the versions they need.
-            arrays, meta["stream"] = self.source.checkpoint()
+            # Host batches differ per process, and orbax writes host arrays from the primary
+            # only: a multi-host run saves none (each counted as discarded, drawn again).
+            arrays, meta["stream"] = self.source.checkpoint(batches=jax.process_count() == 1)
             meta["iterator"] = meta["stream"].pop("iterator")
             if arrays:
                 state["stream"] = arrays

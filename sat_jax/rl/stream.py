@@ -85,6 +85,7 @@ class StreamRollouts:
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()  # a version picked by the worker is pinned atomically
         self._pinned: dict[int, int] = {}  # batch index -> version it started from
+        self._drawn_at: dict[int, Any] = {}  # batch index -> prompt position before its draw
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._index = first_index
@@ -119,7 +120,7 @@ class StreamRollouts:
         with self._lock:
             index, before = self._index, _position(self.prompts)
             examples = next(self.prompts)
-            self._inflight = (index, before)
+            self._inflight, self._drawn_at[index] = (index, before), before
         version, params = self._latest(pin=index)
         state = self.engine.start(params, examples, rng.key(self.seed, "stream", index))
         while not sampler.is_done(state):
@@ -166,6 +167,7 @@ class StreamRollouts:
         wait = time.perf_counter() - t0
         with self._lock:
             started = self._pinned.pop(index)
+            self._drawn_at.pop(index, None)
             behaviour = {"old": self.store.get(started)} if self.needs_old else {}
         metrics = {
             "time/rollout_s": wait,
@@ -180,12 +182,16 @@ class StreamRollouts:
             keep = set(self._pinned.values()) if self.needs_old else set()
             self.store.put(version, params, keep=keep)
 
-    def checkpoint(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def checkpoint(self, batches: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(arrays, meta)`` of the finished batches not yet trained on, oldest first: arrays
         ``{str(index): {field: np.ndarray}}``, meta ``{"queued": [{"index", "started",
         "fields": {field: [shape, dtype]}}], "next_index", "iterator", "inflight"}`` (the prompt
         position and index the worker resumes from, and how many partial rollouts that
-        discards). Call from the trainer's thread, between steps; the worker keeps running."""
+        discards). Call from the trainer's thread, between steps; the worker keeps running.
+
+        ``batches=False`` keeps no batch: the position is the one the oldest untrained batch
+        drew from, and every untrained batch is counted as discarded (for runs whose host
+        batches cannot be saved, e.g. one per process of a multi-host run)."""
         with self._lock:
             items = sorted(
                 list(self.queue.queue) + ([self._finished] if self._finished else []),
@@ -196,6 +202,9 @@ class StreamRollouts:
                 (next_index, position), inflight = self._inflight, 1
             else:
                 next_index, position, inflight = self._index, _position(self.prompts), 0
+            if not batches and items:
+                next_index, position = items[0][0], self._drawn_at[items[0][0]]
+                inflight, items = inflight + len(items), []
         arrays = {str(i): dataclasses.asdict(batch) for i, batch in items}
         queued = [
             {
@@ -252,9 +261,9 @@ class StreamRollouts:
             self._finished = rest[0] if rest else None
         if meta["inflight"]:
             _log.warning(
-                "stream resume: discarded %d partial rollout(s) being decoded at the "
-                "checkpoint (batch %d; its prompts are drawn again); %d finished batch(es) "
-                "restored",
+                "stream resume: discarded %d rollout batch(es) the checkpoint did not keep "
+                "(from batch %d on, partial or not saved; their prompts are drawn again); %d "
+                "finished batch(es) restored",
                 meta["inflight"],
                 self._index,
                 len(items),

@@ -60,7 +60,7 @@ def test_queued_batches_survive_a_checkpoint_in_order(tmp_path, cache_dir, caplo
     with caplog.at_level(logging.WARNING):
         resumed.restore(restored["stream"], rmeta["stream"])
     assert resumed._index == meta["next_index"] == 3
-    assert ("discarded 1 partial" in caplog.text) == bool(meta["inflight"])
+    assert ("discarded 1 rollout batch" in caplog.text) == bool(meta["inflight"])
     expected = [arrays[str(i)] for i in range(3)]
     for i in range(3):  # next() serves the saved batches without the worker
         rollout = resumed.next(i) if i < 2 else None
@@ -138,4 +138,15 @@ def test_a_partial_rollout_is_discarded_with_a_logged_count(caplog):
     with caplog.at_level(logging.WARNING):
         resumed.restore({}, meta)
     assert resumed._index == 3  # batch 3 is decoded again from the prompts it drew
-    assert "discarded 1 partial rollout(s)" in caplog.text and "batch 3" in caplog.text
+    assert "discarded 1 rollout batch(es)" in caplog.text and "from batch 3 on" in caplog.text
+    # Without saving batches (multi-host), the finished ones are discarded too, and drawn again.
+    source._pinned, source._drawn_at = {1: 0, 2: 0}, {1: {"epoch": 0, "index": 4}, 2: position}
+    source._inflight = (2, position)
+    source.queue.put_nowait((1, "a finished batch"))
+    arrays, meta = source.checkpoint(batches=False)
+    assert arrays == {} and meta == {
+        "queued": [],
+        "next_index": 1,
+        "iterator": {"epoch": 0, "index": 4},
+        "inflight": 2,
+    }
