@@ -136,6 +136,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.weight_decay = 0.0
     c.optim.warmup_steps = 0
     c.optim.schedule = "constant"  # constant | cosine
+    # Training steps the cosine schedule decays over, to a rate of 0; 0 = num_steps at the run's
+    # first start. The horizon is stored with the run: resuming with a larger num_steps keeps
+    # it (and is refused past it, where the rate is 0).
+    c.optim.decay_steps = 0
     c.optim.num_minibatches = 1
     c.optim.updates_per_batch = 1
     # An update whose loss, gradient or step is NaN or infinite is not applied (logged as

@@ -204,15 +204,36 @@ def _check_resumable(config, ckpt: Checkpointer, workdir: str) -> int | None:
     return int(meta.get("step", ckpt.latest_step()))
 
 
+def _schedule_horizon(config, ckpt: Checkpointer | None) -> int:
+    """Training steps the learning-rate schedule spans: ``optim.decay_steps``, else
+    ``num_steps`` at the run's first start (stored in every checkpoint; ``ckpt`` when
+    resuming)."""
+    if config.optim.decay_steps:
+        return int(config.optim.decay_steps)
+    if ckpt is None:
+        return int(config.num_steps)
+    meta = ckpt.read_meta()
+    return int(meta.get("schedule_steps") or meta["config"]["num_steps"])
+
+
+def _with_horizon(config, horizon: int):
+    """``config`` with ``optim.decay_steps`` set to the run's horizon (what the optimizer is
+    built from; the stored config keeps the user's value)."""
+    config = config.copy_and_resolve_references()
+    config.optim.decay_steps = horizon
+    return config
+
+
 class _Session:
     """One training session: the run's parts, state, rollout source, logs and checkpoints."""
 
-    def __init__(self, config, *, max_steps, quiet, ckpt, workdir, log):
+    def __init__(self, config, *, max_steps, quiet, ckpt, workdir, log, horizon):
         self.config, self.ckpt, self.workdir, self.log = config, ckpt, workdir, log
+        self.horizon = horizon
         self.primary = parallel.is_primary()
-        self.parts = parts = build(config, log)
+        self.parts = parts = build(_with_horizon(config, horizon), log)
         # Reused from an earlier run of this process with the same program (a study's grid).
-        self.train_step = shared_train_step(config, parts, donate=True)
+        self.train_step = shared_train_step(_with_horizon(config, horizon), parts, donate=True)
         self.ref_params = parts.params
         # Every leaf on the mesh in the layout the step returns (optimizer state created sharded,
         # step counter replicated): an uncommitted input at step 1 would make step 2 a cache miss.
@@ -343,7 +364,12 @@ class _Session:
         if step in self.ckpt.all_steps():
             return
         state = {"state": self.state._asdict(), "ref": self.ref_params}
-        meta = {"step": step, "iterator": self.iterator.state(), "config": plain(self.config)}
+        meta = {
+            "step": step,
+            "iterator": self.iterator.state(),
+            "config": plain(self.config),
+            "schedule_steps": self.horizon,
+        }
         if isinstance(self.source, StreamRollouts):
             # The worker has drawn prompts ahead: the position saved is the one its unfinished
             # batch drew from, and its finished batches are saved with the versions they need.
@@ -390,11 +416,18 @@ def _train(config, workdir: str, ckpt_dir: str, *, max_steps, quiet) -> dict[str
         _start_over(workdir, ckpt_dir, log)
     with Checkpointer(ckpt_dir, max_to_keep=config.checkpoint.max_to_keep) as ckpt:
         resumed = _check_resumable(config, ckpt, workdir)
+        horizon = _schedule_horizon(config, ckpt if resumed is not None else None)
+        cosine = config.optim.schedule == "cosine"
         if resumed is not None and resumed >= config.num_steps:
+            more = (
+                f"its cosine schedule decays to 0 at step {horizon} (optim.decay_steps), which "
+                "resuming keeps, so continue past it in a new run"
+                if cosine
+                else "raise --config.num_steps to continue it"
+            )
             log(
                 f"the run in {workdir} is finished (step {resumed} of num_steps="
-                f"{config.num_steps}); raise --config.num_steps to continue it, or start over "
-                "with --config.resume=False"
+                f"{config.num_steps}); {more}, or start over with --config.resume=False"
             )
             return {
                 "workdir": workdir,
@@ -410,7 +443,22 @@ def _train(config, workdir: str, ckpt_dir: str, *, max_steps, quiet) -> dict[str
                 "final_eval": None,
                 "state": None,
             }
-        s = _Session(config, max_steps=max_steps, quiet=quiet, ckpt=ckpt, workdir=workdir, log=log)
+        if resumed is not None and cosine and config.num_steps > horizon:
+            raise ResumeError(
+                f"num_steps={config.num_steps} runs past the cosine schedule's horizon of "
+                f"{horizon} steps in {workdir} (optim.decay_steps; num_steps at the run's first "
+                "start when 0), where the rate is 0: resuming keeps the horizon. Start a new "
+                "run (another --workdir, or --config.resume=False) with the longer horizon"
+            )
+        s = _Session(
+            config,
+            max_steps=max_steps,
+            quiet=quiet,
+            ckpt=ckpt,
+            workdir=workdir,
+            log=log,
+            horizon=horizon,
+        )
         interrupted = False
         stop = StopFlag()
         try:

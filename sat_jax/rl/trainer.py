@@ -95,8 +95,10 @@ def make_optimizer(
             else learning_rate
         )
     elif schedule == "cosine":
+        # optax needs at least one decay step after the (at least one) warm-up step.
+        warmup = max(warmup_steps, 1)
         lr = optax.warmup_cosine_decay_schedule(
-            0.0, learning_rate, max(warmup_steps, 1), max(total_steps, warmup_steps + 1)
+            0.0, learning_rate, warmup, max(total_steps, warmup + 1)
         )
     else:
         raise ValueError(f"schedule must be constant|cosine, got {schedule!r}")
