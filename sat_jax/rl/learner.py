@@ -47,7 +47,7 @@ from sat_jax.rl.stream import StreamRollouts
 from sat_jax.run import workdir as workdir_lib
 from sat_jax.run.checkpoint import Checkpointer
 from sat_jax.run.lock import WorkdirLock, WorkdirLocked
-from sat_jax.run.metrics import METRICS_FILE, RunLogger
+from sat_jax.run.metrics import RunLogger
 from sat_jax.run.plots import plot_run
 from sat_jax.run.progress import Progress
 
@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 # Run outputs moved aside when a run starts over in the same workdir.
-_OUTPUTS = (METRICS_FILE, "config.json", "config.yaml", "tensorboard", "plots")
+_OUTPUTS = workdir_lib.LOG_OUTPUTS
 
 
 # Checkpointed rollout data, not weights: its support cut-offs are -inf where nothing was cut.
@@ -156,8 +156,9 @@ def evaluate_run(config) -> dict[str, Any]:
     }
 
 
-def _start_over(workdir: str, ckpt_dir: str, log) -> None:
-    """Moves an earlier run's checkpoints and outputs to ``<workdir>/replaced-<time>/``."""
+def _start_over(workdir: str, ckpt_dir: str, log, url: str | None = None) -> None:
+    """Moves an earlier run's checkpoints and outputs to ``<workdir>/replaced-<time>/`` (and,
+    for a URL workdir, the outputs kept there to ``<url>/replaced-<time>/``)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if parallel.is_primary():
         ckpt = epath.Path(ckpt_dir)
@@ -178,6 +179,11 @@ def _start_over(workdir: str, ckpt_dir: str, log) -> None:
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
                 shutil.move(path, dest)
                 moved.append(dest)
+            if url is not None and (workdir_lib.remote(url) / name).exists():
+                dest = workdir_lib.remote(url) / f"replaced-{stamp}" / name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                (workdir_lib.remote(url) / name).rename(dest)
+                moved.append(str(dest))
         if moved:
             log(
                 f"resume=False: moved the earlier run in {workdir} aside ({len(moved)} items "
@@ -227,9 +233,9 @@ def _with_horizon(config, horizon: int):
 class _Session:
     """One training session: the run's parts, state, rollout source, logs and checkpoints."""
 
-    def __init__(self, config, *, max_steps, quiet, ckpt, workdir, log, horizon):
+    def __init__(self, config, *, max_steps, quiet, ckpt, workdir, log, horizon, url=None):
         self.config, self.ckpt, self.workdir, self.log = config, ckpt, workdir, log
-        self.horizon = horizon
+        self.horizon, self.url = horizon, url
         self.primary = parallel.is_primary()
         self.parts = parts = build(_with_horizon(config, horizon), log)
         # Reused from an earlier run of this process with the same program (a study's grid).
@@ -262,7 +268,9 @@ class _Session:
             if "stream" in meta and isinstance(self.source, StreamRollouts):
                 self.source.restore(restored.get("stream", {}), meta["stream"])
             self.ref_params = restored["ref"]
-            log(f"resumed from {workdir} at step {self.start}")
+            log(f"resumed from {url or workdir} at step {self.start}")
+            if url is not None and self.primary:  # the logs as the run's checkpoints left them
+                workdir_lib.download_logs(url, workdir)
         else:
             self.source.publish(0, parts.params)
         # Rows after the restored step are logged again; a fresh start drops every old row.
@@ -382,11 +390,19 @@ class _Session:
         store = self.source.store
         state["store"], meta["store_versions"] = store.state(), store.versions()
         self.ckpt.save(step, state, meta, force=True, unchecked=_DATA)
+        self.upload_logs()
+
+    def upload_logs(self) -> None:
+        """Copies the logs into a URL workdir, beside its checkpoints."""
+        if self.url is not None and self.primary:
+            self.logger.flush()
+            workdir_lib.upload_logs(self.workdir, self.url)
 
     def close(self) -> None:
         self.source.close()
         self.progress.close()
         self.ckpt.wait()
+        self.upload_logs()
         self.logger.close()
 
 
@@ -402,18 +418,19 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
     """
     validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
     workdir, ckpt_dir = workdir_lib.run_paths(config)
-    with WorkdirLock(workdir, "train"):
-        return _train(config, workdir, ckpt_dir, max_steps=max_steps, quiet=quiet)
+    url = workdir_lib.run_dir(config) if workdir_lib.is_url(workdir_lib.run_dir(config)) else None
+    with WorkdirLock(url or workdir, "train"):
+        return _train(config, workdir, ckpt_dir, url=url, max_steps=max_steps, quiet=quiet)
 
 
-def _train(config, workdir: str, ckpt_dir: str, *, max_steps, quiet) -> dict[str, Any]:
+def _train(config, workdir: str, ckpt_dir: str, *, url, max_steps, quiet) -> dict[str, Any]:
     log = (
         (lambda msg: None)
         if (quiet or not parallel.is_primary())
         else (lambda msg: print(msg, flush=True))
     )
     if not config.resume:
-        _start_over(workdir, ckpt_dir, log)
+        _start_over(workdir, ckpt_dir, log, url)
     with Checkpointer(ckpt_dir, max_to_keep=config.checkpoint.max_to_keep) as ckpt:
         resumed = _check_resumable(config, ckpt, workdir)
         horizon = _schedule_horizon(config, ckpt if resumed is not None else None)
@@ -458,6 +475,7 @@ def _train(config, workdir: str, ckpt_dir: str, *, max_steps, quiet) -> dict[str
             workdir=workdir,
             log=log,
             horizon=horizon,
+            url=url,
         )
         interrupted = False
         stop = StopFlag()
@@ -491,6 +509,7 @@ def _train(config, workdir: str, ckpt_dir: str, *, max_steps, quiet) -> dict[str
     if s.primary and config.log.plots and not interrupted:
         with contextlib.suppress(Exception):
             plot_run(workdir)
+        s.upload_logs()
     return {
         "workdir": workdir,
         "start_step": s.start,

@@ -1,8 +1,23 @@
-"""Where a run lives: its workdir, and the directories for its logs and checkpoints."""
+"""Where a run lives: its workdir, and the directories for its logs and checkpoints.
+
+A local workdir holds everything: checkpoints in ``<workdir>/checkpoints``, metrics,
+TensorBoard files, config and plots beside them. A URL workdir (``gs://bucket/runs/x``) holds
+everything too, so the run survives its VM: checkpoints are written there directly by every
+host, and the primary host writes its logs into a local mirror (``runs/_remote/gs/bucket/runs/x``,
+one per URL, so two runs never share one) and copies them into the workdir with every checkpoint
+and when the session ends (:func:`upload_logs`). A resumed session first takes the workdir's
+copies back (:func:`download_logs`), on whichever VM it runs; rows after the checkpoint it resumes
+from are logged again anyway.
+"""
 
 from __future__ import annotations
 
 import os
+
+from etils import epath
+
+#: The run outputs beside the checkpoints (files and directories).
+LOG_OUTPUTS = ("metrics.jsonl", "config.json", "config.yaml", "tensorboard", "plots")
 
 
 def run_dir(config) -> str:
@@ -11,17 +26,48 @@ def run_dir(config) -> str:
     )
 
 
-def run_paths(config) -> tuple[str, str]:
-    """(local directory for logs and plots, checkpoint directory).
+def is_url(path: str) -> bool:
+    return "://" in path
 
-    A URL workdir (``gs://bucket/runs/x``) keeps the checkpoints there, where every host of a
-    slice writes its part and a preempted VM loses nothing, and the metrics, TensorBoard files and
-    plots in ``runs/x`` on the primary host (``launch/fetch.sh`` copies them back).
-    """
+
+def remote(url: str) -> epath.Path:
+    """The path object of a URL workdir."""
+    return epath.Path(url.rstrip("/"))
+
+
+def run_paths(config) -> tuple[str, str]:
+    """(local directory the logs and plots are written in, checkpoint directory)."""
     workdir = run_dir(config)
-    if "://" in workdir:
-        return os.path.abspath(os.path.join("runs", workdir.rstrip("/").rsplit("/", 1)[-1])), (
-            workdir.rstrip("/") + "/checkpoints"
-        )
+    if is_url(workdir):
+        scheme, rest = workdir.rstrip("/").split("://", 1)
+        local = os.path.abspath(os.path.join("runs", "_remote", scheme, *rest.split("/")))
+        return local, os.fspath(remote(workdir) / "checkpoints")
     workdir = os.path.abspath(workdir)
     return workdir, os.path.join(workdir, "checkpoints")
+
+
+def upload_logs(local: str, workdir: str) -> None:
+    """Copies the run outputs in ``local`` into the URL ``workdir`` (replacing its copies)."""
+    _copy_tree(epath.Path(local), remote(workdir))
+
+
+def download_logs(workdir: str, local: str) -> None:
+    """Replaces the run outputs in ``local`` by the URL ``workdir``'s copies, where it has
+    them."""
+    _copy_tree(remote(workdir), epath.Path(local))
+
+
+def _copy_tree(src: epath.Path, dst: epath.Path) -> None:
+    for name in LOG_OUTPUTS:
+        if (src / name).exists():
+            _copy(src / name, dst / name)
+
+
+def _copy(src: epath.Path, dst: epath.Path) -> None:
+    if src.is_dir():
+        dst.mkdir(parents=True, exist_ok=True)
+        for child in src.iterdir():
+            _copy(child, dst / child.name)
+    else:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        src.copy(dst, overwrite=True)
