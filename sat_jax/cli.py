@@ -275,7 +275,7 @@ def main(argv):
 
     try:
         summary = learner.train(config, max_steps=_MAX_STEPS.value)
-    except (learner.ResumeError, learner.WorkdirLocked) as e:
+    except (learner.ResumeError, learner.WorkdirLocked, learner.WorkdirNotShared) as e:
         return _fail(str(e))
     except learner.NonFiniteError as e:
         print(f"sat-jax: error: {e}", file=sys.stderr)

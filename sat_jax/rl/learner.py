@@ -50,12 +50,14 @@ from sat_jax.run.lock import WorkdirLock, WorkdirLocked
 from sat_jax.run.metrics import RunLogger
 from sat_jax.run.plots import plot_run
 from sat_jax.run.progress import Progress
+from sat_jax.run.workdir import WorkdirNotShared
 
 __all__ = [
     "Components",
     "NonFiniteError",
     "ResumeError",
     "WorkdirLocked",
+    "WorkdirNotShared",
     "build",
     "build_sources",
     "evaluate_run",
@@ -412,6 +414,7 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
     Raises:
       ConfigError: ``config`` is impossible (before any compute).
       WorkdirLocked: another live process trains in the workdir (before any compute).
+      WorkdirNotShared: a multi-host run's local workdir is not shared by its hosts.
       ResumeError: the workdir holds a run with another config and ``config.resume`` is set.
       NonFiniteError: ``config.optim.max_nonfinite_steps`` steps in a row had a non-finite loss
         or gradient (none of their updates was applied or saved).
@@ -419,6 +422,7 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
     validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
     workdir, ckpt_dir = workdir_lib.run_paths(config)
     url = workdir_lib.run_dir(config) if workdir_lib.is_url(workdir_lib.run_dir(config)) else None
+    workdir_lib.check_shared(workdir if url is None else url)
     with WorkdirLock(url or workdir, "train"):
         return _train(config, workdir, ckpt_dir, url=url, max_steps=max_steps, quiet=quiet)
 

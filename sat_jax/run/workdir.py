@@ -71,3 +71,44 @@ def _copy(src: epath.Path, dst: epath.Path) -> None:
     else:
         dst.parent.mkdir(parents=True, exist_ok=True)
         src.copy(dst, overwrite=True)
+
+
+class WorkdirNotShared(RuntimeError):
+    """The hosts of a multi-host run do not share its local workdir."""
+
+
+def check_shared(workdir: str) -> None:
+    """On a multi-host run, checks that every host sees what the primary host writes in the local
+    ``workdir`` (a URL is shared by construction); every process must call it.
+
+    Orbax finalises a checkpoint on the primary host only, so hosts with separate copies of one
+    path disagree on which steps exist and branch into mismatched collectives on resume.
+
+    Raises:
+      WorkdirNotShared: some hosts do not see the primary host's file (on every process).
+    """
+    import jax
+
+    if jax.process_count() == 1 or is_url(workdir):
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    token = np.zeros((), np.int32)  # 32 bits: what a collective carries without x64
+    if jax.process_index() == 0:
+        os.makedirs(workdir, exist_ok=True)
+        token = np.asarray(int.from_bytes(os.urandom(3), "little"), np.int32)
+        with open(os.path.join(workdir, f".sat_jax-shared-{int(token)}"), "w"):
+            pass
+    token = int(multihost_utils.broadcast_one_to_all(token))
+    marker = os.path.join(workdir, f".sat_jax-shared-{token}")
+    seen = multihost_utils.process_allgather(np.asarray(os.path.exists(marker), np.int32))
+    if jax.process_index() == 0:
+        os.remove(marker)
+    missing = [i for i, ok in enumerate(np.asarray(seen).reshape(-1)) if not ok]
+    if missing:
+        raise WorkdirNotShared(
+            f"the workdir {workdir} is not shared by the hosts of this multi-host run (processes "
+            f"{missing} do not see what process 0 writes there): use a gs:// workdir or a "
+            "directory on a file system every host mounts"
+        )
