@@ -3,10 +3,15 @@ versions and the snapshot versions they need, and come back in order; a partial 
 discarded with a logged count; the batch wait is a config field its error names."""
 
 import logging
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
-from test_rl_system import tiny
+from test_rl_system import _cli_overrides, _train_rows, tiny
 
 from sat_jax import config as config_lib
 from sat_jax.config.validation import ConfigError, validate
@@ -23,6 +28,19 @@ def cache_dir(tmp_path_factory):
 def _same_batch(a, b):
     for name in a.fields():
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+
+
+def _record_batches(monkeypatch) -> list:
+    """The batches the learner's stream source hands out, in order."""
+    seen, real_next = [], StreamRollouts.next
+
+    def recording(self, step, timeout=None):
+        rollout = real_next(self, step, timeout)
+        seen.append(rollout.batch)
+        return rollout
+
+    monkeypatch.setattr(StreamRollouts, "next", recording)
+    return seen
 
 
 def test_queued_batches_survive_a_checkpoint_in_order(tmp_path, cache_dir, caplog):
@@ -89,15 +107,7 @@ def test_stream_run_resumed_trains_first_on_the_batches_it_had_queued(
     queued = meta["stream"]["queued"]
     assert queued, "the worker ran ahead of the trainer"
     assert [q["index"] for q in queued] == list(range(2, 2 + len(queued)))
-    seen = []
-    real_next = StreamRollouts.next
-
-    def recording(self, step, timeout=None):
-        rollout = real_next(self, step, timeout)
-        seen.append(rollout.batch)
-        return rollout
-
-    monkeypatch.setattr(StreamRollouts, "next", recording)
+    seen = _record_batches(monkeypatch)
     config.num_steps = 2 + len(queued)
     summary = learner.train(config, quiet=True)
     assert summary["start_step"] == 2 and len(seen) == len(queued)
@@ -150,3 +160,53 @@ def test_a_partial_rollout_is_discarded_with_a_logged_count(caplog):
         "iterator": {"epoch": 0, "index": 4},
         "inflight": 2,
     }
+
+
+def test_stream_run_killed_and_resumed_loses_no_queued_batch(
+    tmp_path, cache_dir, monkeypatch, caplog
+):
+    workdir = tmp_path / "run"
+    stream = ["--config.lag_mode=stream", "--config.lag=2", "--config.checkpoint.every=2"]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sat_jax.cli",
+            "train",
+            *_cli_overrides(workdir, cache_dir),
+            "--config.num_steps=100000",
+            "--config.eval.every=0",
+            *stream,
+        ],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (workdir / "metrics.jsonl").exists() and len(_train_rows(workdir)) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    config = tiny(config_lib.get_config(), workdir, cache_dir)
+    config.lag_mode, config.lag, config.checkpoint.every = "stream", 2, 2
+    with Checkpointer(workdir / "checkpoints", read_only=True) as ckpt:
+        step, meta = ckpt.latest_step(), ckpt.read_meta()
+        parts = learner.build(config)
+        state = trainer.init_train_state(
+            parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
+        )
+        target = learner._restore_target(state, parts.params, parts.params)
+        saved, _, _ = ckpt.restore(target, unchecked=("stream",))
+    queued = meta["stream"]["queued"]
+    assert step >= 2 and queued and queued[0]["index"] == step
+    seen = _record_batches(monkeypatch)
+    config.num_steps = step + len(queued)
+    with caplog.at_level(logging.WARNING):
+        summary = learner.train(config, quiet=True)
+    assert summary["start_step"] == step and len(seen) == len(queued)
+    for batch, q in zip(seen, queued, strict=True):  # trained on, in order, as saved
+        _same_batch(batch, type(batch)(**saved["stream"][str(q["index"])]))
+    assert ("discarded 1 rollout batch" in caplog.text) == bool(meta["stream"]["inflight"])
+    assert [r["step"] for r in _train_rows(workdir)] == list(range(1, step + len(queued) + 1))
