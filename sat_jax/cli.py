@@ -267,7 +267,7 @@ def main(argv):
     if command == "eval":
         try:
             result = learner.evaluate_run(config)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, learner.WorkdirNotShared) as e:
             return _fail(str(e))
         if parallel.is_primary():
             print(json.dumps(result, indent=1))

@@ -135,14 +135,22 @@ def evaluate_run(config) -> dict[str, Any]:
     Raises:
       FileNotFoundError: the run directory holds no checkpoint (checked before anything is
         built).
+      WorkdirNotShared: the processes of a multi-host run see different checkpoints.
     """
     workdir, ckpt_dir = workdir_lib.run_paths(config)
-    if not epath.Path(ckpt_dir).is_dir():
-        raise FileNotFoundError(
-            f"no checkpoints in {workdir} ({ckpt_dir} does not exist): is it a run directory?"
+    found = epath.Path(ckpt_dir).is_dir()
+    with Checkpointer(ckpt_dir, read_only=True) if found else contextlib.nullcontext() as ckpt:
+        latest = None if ckpt is None else ckpt.latest_step()
+        # The restore below is collective: every process must find the same newest step.
+        workdir_lib.check_same_on_every_host(
+            -2 if ckpt is None else -1 if latest is None else latest,
+            f"newest checkpoint in {ckpt_dir}",
         )
-    with Checkpointer(ckpt_dir, read_only=True) as ckpt:
-        if ckpt.latest_step() is None:
+        if ckpt is None:
+            raise FileNotFoundError(
+                f"no checkpoints in {workdir} ({ckpt_dir} does not exist): is it a run directory?"
+            )
+        if latest is None:
             raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
         parts = build(config)
         state = trainer.init_train_state(

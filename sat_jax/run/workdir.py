@@ -112,3 +112,22 @@ def check_shared(workdir: str) -> None:
             f"{missing} do not see what process 0 writes there): use a gs:// workdir or a "
             "directory on a file system every host mounts"
         )
+
+
+def check_same_on_every_host(value: int, what: str) -> None:
+    """Raises :class:`WorkdirNotShared` on every process unless all processes pass the same
+    ``value`` (an int describing ``what`` they see); every process must call it."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    values = np.asarray(multihost_utils.process_allgather(np.asarray(value, np.int32))).reshape(-1)
+    if len(set(values.tolist())) > 1:
+        raise WorkdirNotShared(
+            f"the processes of this multi-host run do not see the same {what} (per process: "
+            f"{values.tolist()}; -1: none, -2: no directory): use a gs:// workdir or a "
+            "directory on a file system every host mounts"
+        )

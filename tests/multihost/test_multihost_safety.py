@@ -8,7 +8,10 @@ import subprocess
 import sys
 import time
 
+import jax.numpy as jnp
 from test_two_processes import _env, _free_port
+
+from sat_jax.run.checkpoint import Checkpointer
 
 _CLI = (
     "import jax; jax.config.update('jax_cpu_collectives_implementation', 'gloo');"
@@ -77,6 +80,26 @@ def test_unshared_local_workdir_is_refused_on_every_process(tmp_path):
         assert "Traceback" not in out
     # Nothing was started: no checkpoint, no metrics, no lock; the probe file is gone.
     assert os.listdir(dirs[0] / "run") == [] and not (dirs[1] / "run").exists()
+
+
+def test_eval_refuses_hosts_that_see_different_checkpoints(tmp_path):
+    port, dirs = _free_port(), [tmp_path / "host0", tmp_path / "host1"]
+    with Checkpointer(dirs[0] / "run" / "checkpoints") as ckpt:  # only host 0's copy has one
+        ckpt.save(1, {"w": jnp.ones(2)}, {})
+    (dirs[1] / "run" / "checkpoints").mkdir(parents=True)
+    args = [
+        "eval",
+        "--workdir=run",
+        "--multihost=on",
+        f"--coordinator_address=127.0.0.1:{port}",
+        "--num_processes=2",
+    ]
+    procs = [_start(args, i, dirs[i]) for i in range(2)]
+    outs = _finish(procs)
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 2, out[-3000:]
+        assert "do not see the same newest checkpoint" in out and "[1, -1]" in out
+        assert "Traceback" not in out
 
 
 def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
