@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PIP_EXTRAS ?= test,hf
 
-.PHONY: install train test lint bench
+.PHONY: install train test lint bench report
 
 $(VENV)/.installed-$(PIP_EXTRAS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,9 @@ $(VENV)/.installed-$(PIP_EXTRAS): pyproject.toml
 install: $(VENV)/.installed-$(PIP_EXTRAS)
 
 # glibc >= 2.35: transparent huge pages for malloc'd memory. XLA:CPU takes a fresh temporary
-# buffer every execution, and with 4 KiB pages a log-prob pass page-faults ~38,000 times
-# (README, "Benchmarks"); older glibc ignores the unknown tunable. Override with GLIBC_TUNABLES=.
+# buffer every execution, and with 4 KiB pages each execution page-faults on all of it
+# (docs/system.md, "Page faults"); older glibc ignores the unknown tunable. Override with
+# GLIBC_TUNABLES=.
 GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 export GLIBC_TUNABLES
 
@@ -32,7 +33,14 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The short benchmarks, then docs/benchmarks.md from every result in benchmarks/results/. The
+# long ones and the peers run by name (benchmarks/README.md); `make report` only re-renders.
 bench: install
-	$(VENV)/bin/python benchmarks/losses.py
+	$(VENV)/bin/python benchmarks/losses.py --repeats 10
 	$(VENV)/bin/python benchmarks/sampler.py
-	$(VENV)/bin/python benchmarks/loop.py
+	$(VENV)/bin/python benchmarks/moe.py --no-torch --repeats 10
+	$(VENV)/bin/python benchmarks/logprobs.py --quick
+	$(VENV)/bin/python benchmarks/report.py
+
+report: install
+	$(VENV)/bin/python benchmarks/report.py

@@ -16,6 +16,7 @@ import argparse
 import json
 import time
 
+import _results
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,18 +76,16 @@ def main():
                     flops / _torch_seconds(torch, eq, a, b, args.repeats) / 1e9, 1
                 )
         results.append(row)
-    print(
-        json.dumps(
-            {
-                "backend": jax.default_backend(),
-                "jax": jax.__version__,
-                "rows": args.rows,
-                "d": args.d,
-                "f": args.f,
-                "results": results,
-            }
-        )
-    )
+    out = {
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "rows": args.rows,
+        "d": args.d,
+        "f": args.f,
+        "results": results,
+    }
+    print(json.dumps(out))
+    _results.write("batched_matmul", out)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import json
 import os
 import platform
 
+import _results
 import jax
 import jax.numpy as jnp
 from _timing import interleaved_ms, paired_ratio
@@ -142,6 +143,7 @@ def main():
     if not args.quick:
         out["model"] = model_case(8, 144, 32, args.repeats)
     print(json.dumps(out, indent=1))
+    _results.write("logprobs", out)
 
 
 if __name__ == "__main__":

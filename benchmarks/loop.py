@@ -22,7 +22,7 @@ its own rollout batches (128 sequences × 13 tokens), interleaved, medians:
 * ``host_to_device_ms`` (placing a host batch on the mesh) and ``metrics_to_host_ms`` (the
   step's metrics as floats, which waits for the step).
 
-Beside tunix: ``--tunix-python PYTHON`` runs ``../shared/peer/tunix_grpo_loop.py`` (override with
+Beside tunix: ``--tunix-python PYTHON`` runs ``benchmarks/peers/tunix_grpo.py`` (override with
 ``--tunix-script``) with that interpreter (a venv with ``google-tunix``; never the project's own,
 tunix pins other versions) in the same sitting, after ours, on the matching shape (d 64,
 2 layers, 16 prompts × 8 samples, prompt 8, 5 new tokens; its dense SwiGLU of width 128 is the
@@ -30,7 +30,7 @@ routed MLP work per token of our 16-expert top-4 MoE of width 32), and reports i
 the ratios. Without it (or when tunix does not import there) the JSON says how to run it.
 
 Run from the repository root: ``PYTHONPATH=$PWD python benchmarks/loop.py [--steps 40]
-[--tunix-python /tmp/tunix-venv/bin/python]``.
+[--tunix-python /work/venvs/tunix/bin/python]``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 
+import _results
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,9 +57,7 @@ from sat_jax.rl import learner, trainer
 from sat_jax.rl.components import build
 
 WARMUP_STEPS = 5
-PEER = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peer", "tunix_grpo_loop.py"
-)
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "tunix_grpo.py")
 
 
 def _config(workdir: str, steps: int, mode: str, lag: int, share_prompt: bool = True):
@@ -312,7 +311,7 @@ def main():
             "not run: pass --tunix-python PYTHON (a venv with `pip install "
             "google-tunix`, not this project's) to run "
             f"{os.path.relpath(args.tunix_script)} beside ours, or run it yourself: "
-            "PYTHON tunix_grpo_loop.py --embed 64 --layers 2 --mlp 128 --json out.json"
+            "PYTHON benchmarks/peers/tunix_grpo.py --embed 64 --layers 2 --mlp 128 --json out.json"
         )
     else:
         out["tunix"] = peer
@@ -335,6 +334,7 @@ def main():
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out, indent=1))
     sys.stdout.flush()
+    _results.write("loop", out)
 
 
 if __name__ == "__main__":

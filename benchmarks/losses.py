@@ -15,6 +15,7 @@ import subprocess
 import sys
 from unittest import mock
 
+import _results
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,6 +173,7 @@ def main():
     if not args.no_hlo:
         result["sharded_sat_collectives"] = _hlo_collectives(batch * length)
     print(json.dumps(result, indent=1))
+    _results.write("losses", result)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ dense reference (and against transformers' PyTorch ``Qwen3MoeExperts`` on the sa
 routing, when torch is installed), with XLA's FLOP counts.
 
 Prints one JSON object. Run: ``python benchmarks/moe.py`` (``--repeats 10 --no-torch`` for a quick
-run). Shapes: ``tiny`` = ``ModelConfig.tiny()``'s MoE at the log-prob pass of issue 10 (8 × 144
+run). Shapes: ``tiny`` = ``ModelConfig.tiny()``'s MoE at the peer's log-prob pass (8 × 144
 tokens, d 128, 32 experts top-4, f 32); ``default`` = the default run's at the trainer's batch
 (128 × 13 tokens, d 64, 16 experts top-4, f 32); ``*_decode`` = one decode step of those runs
 (forward only). Times are medians (and minima: the machine is shared) of interleaved repeats of
@@ -23,6 +23,7 @@ import os
 import platform
 import time
 
+import _results
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -237,6 +238,7 @@ def main():
         s: bench_shape(s, a.repeats, blocks, with_torch, paths) for s in a.shapes.split(",")
     }
     print(json.dumps(res, indent=1))
+    _results.write("moe", res)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import os
 import platform
 import tempfile
 
+import _results
 import jax
 import jax.numpy as jnp
 from _timing import median_seconds
@@ -115,19 +116,16 @@ def main():
             "speedup": round(seq / vec, 2),
         }
 
-    print(
-        json.dumps(
-            {
-                "benchmark": "runs",
-                "device": f"{jax.default_backend()} ({platform.machine()}, {os.cpu_count()} cores)",
-                "jax": jax.__version__,
-                "batch": f"{config.rollout.prompts_per_step} prompts x {config.rollout.group_size} "
-                f"samples, {config.data.max_new_tokens} new tokens",
-                "study_step": results,
-            },
-            indent=1,
-        )
-    )
+    out = {
+        "benchmark": "runs",
+        "device": f"{jax.default_backend()} ({platform.machine()}, {os.cpu_count()} cores)",
+        "jax": jax.__version__,
+        "batch": f"{config.rollout.prompts_per_step} prompts x {config.rollout.group_size} "
+        f"samples, {config.data.max_new_tokens} new tokens",
+        "study_step": results,
+    }
+    print(json.dumps(out, indent=1))
+    _results.write("runs", out)
 
 
 if __name__ == "__main__":

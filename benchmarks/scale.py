@@ -351,4 +351,7 @@ def _token_all_gathers(hlo: str, args) -> int:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(ARGS), indent=1))
+    import _results  # benchmarks/results/scale.json, which benchmarks/report.py renders
+
+    print(json.dumps(out := main(ARGS), indent=1))
+    _results.write("scale", out)

@@ -208,12 +208,43 @@ quote_cmd() {
 	printf '%s' "${out[*]}"
 }
 
-# run CMD...: run the command (echoed to stderr), or under --dry-run print it on stdout.
+# redact TEXT: TEXT with the credentials of every URL in it ("https://user:TOKEN@host",
+# "https://TOKEN@host") replaced by "***", for anything these scripts print.
+redact() {
+	local re='^(.*[A-Za-z][A-Za-z0-9+.-]*://)[^/@[:space:]'"'"']+@(.*)$' rest=$1 tail=""
+	# Greedy: each round masks the last credentials left in REST and moves what follows to TAIL.
+	while [[ $rest =~ $re ]]; do
+		tail="***@${BASH_REMATCH[2]}$tail"
+		rest=${BASH_REMATCH[1]}
+	done
+	printf '%s' "$rest$tail"
+}
+
+# has_credentials URL: whether URL carries a user name, password or token before its host.
+has_credentials() {
+	[[ $1 =~ ^[A-Za-z][A-Za-z0-9+.-]*://[^/@]+@ ]]
+}
+
+# delete_hint [queued]: the delete.sh command for this TPU, for messages about a TPU left
+# running; "queued" when it is known to be a queued resource.
+delete_hint() {
+	local cmd=(launch/delete.sh --zone "$ZONE" --name "$TPU_NAME")
+	[[ -n $PROJECT_ID ]] && cmd+=(--project "$PROJECT_ID")
+	((NUM_SLICES > 1)) && cmd+=(--num-slices "$NUM_SLICES")
+	[[ ${1:-} == queued ]] && cmd+=(--queued)
+	printf '%s' "$(quote_cmd "${cmd[@]}")"
+	if [[ ${1:-} != queued ]] && ((NUM_SLICES == 1)); then
+		printf ' (add --queued if create.sh made it with --queued)'
+	fi
+}
+
+# run CMD...: run the command (echoed to stderr), or under --dry-run print it on stdout. Either
+# way URL credentials are masked in what is shown.
 run() {
 	if ((DRY_RUN)); then
-		printf '%s\n' "$(quote_cmd "$@")" >&3
+		printf '%s\n' "$(redact "$(quote_cmd "$@")")" >&3
 	else
-		info "+ $(quote_cmd "$@")"
+		info "+ $(redact "$(quote_cmd "$@")")"
 		"$@"
 	fi
 }
@@ -224,10 +255,10 @@ capture() {
 	local placeholder=$1
 	shift
 	if ((DRY_RUN)); then
-		printf '%s\n' "$(quote_cmd "$@")" >&3
+		printf '%s\n' "$(redact "$(quote_cmd "$@")")" >&3
 		printf '%s' "$placeholder"
 	else
-		info "+ $(quote_cmd "$@")"
+		info "+ $(redact "$(quote_cmd "$@")")"
 		"$@"
 	fi
 }

@@ -40,8 +40,11 @@ def grpo(rewards, *, eps: float = 1e-6) -> jax.Array:
 
 
 def dr_grpo(rewards) -> jax.Array:
-    """Dr.GRPO (Liu et al. 2025): R − mean_g, without the std normalisation."""
-    r = _check(rewards)
+    """Dr.GRPO (Liu et al. 2025): R − mean_g, without the std normalisation.
+
+    A group of one sample has advantage 0 whatever its reward, so group_size 1 is refused.
+    """
+    r = _check(rewards, min_group=2)
     return r - jnp.mean(r, axis=1, keepdims=True)
 
 

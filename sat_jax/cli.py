@@ -275,7 +275,12 @@ def main(argv):
 
     try:
         summary = learner.train(config, max_steps=_MAX_STEPS.value)
-    except (learner.ResumeError, learner.WorkdirLocked, learner.WorkdirNotShared) as e:
+    except (
+        learner.ResumeError,
+        learner.WorkdirLocked,
+        learner.WorkdirNotShared,
+        ConfigError,  # data checked when built
+    ) as e:
         return _fail(str(e))
     except learner.NonFiniteError as e:
         print(f"sat-jax: error: {e}", file=sys.stderr)

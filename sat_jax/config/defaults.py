@@ -34,6 +34,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.source = "task"  # task | jsonl | tfds
     c.data.task = "addition"
     c.data.num_digits = 2
+    # Difficulty mixture of long_multiplication ("AxB" operand digits) and sort_digits ("N"
+    # digits) as "LEVEL:WEIGHT,..." (e.g. "3x3:2,4x3:1"); "" takes the task's default. Ignored
+    # (and must stay "") for addition and multiplication, which use num_digits.
+    c.data.mixture = ""
     c.data.eval_size = 256
     c.data.path = ""  # jsonl file
     c.data.eval_path = ""  # held-out jsonl file ("" evaluates on the first prompts of data.path)
@@ -71,7 +75,7 @@ def get_config() -> ml_collections.ConfigDict:
     # (the reference, every expert for every token) | ragged | blocked (sat_jax/models/moe.py).
     c.model.moe_impl = "auto"
     # Blocks per iteration of the scan over stacked blocks (ModelConfig.scan_unroll): 2 makes the
-    # 2-block default straight-line code, ~20 % faster training on CPU; 1 = one compiled body.
+    # 2-block default straight-line code, with no per-layer loop costs; 1 = one compiled body.
     c.model.scan_unroll = 2
     # Queries per attention chunk (ModelConfig.attention_chunk): 0 = all at once; c > 0 keeps at
     # most [rows, heads, c, keys] scores live (long sequences; same values).
@@ -79,7 +83,11 @@ def get_config() -> ml_collections.ConfigDict:
 
     # Rollout engine: bfloat16 against the float32 trainer reproduces the engine mismatch.
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.dtype = "bfloat16"
+    c.rollout.dtype = "bfloat16"  # float32 | bfloat16 | float16: the engine's compute dtype
+    # Std of Gaussian noise on the engine's router logits before its top-k (the gates keep the
+    # clean logits; the trainer never sees it): routing mismatch at unchanged precision, seeded
+    # by the rollout key. 0 = off; must be >= 0.
+    c.rollout.router_noise = 0.0
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0
@@ -91,8 +99,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.stream_timeout_s = 600.0
 
     # Asynchrony (Section 4.4).
-    c.lag_mode = "broadcast"  # fixed | broadcast | stream
+    c.lag_mode = "broadcast"  # fixed | broadcast | sampled | stream
     c.lag = 8
+    # lag_mode=sampled: every group draws its own lag from lag_dist on 1..lag_cap with mean `lag`
+    # (1 <= lag <= lag_cap): geometric (light tail) or zipf (power law, heavy tail); see
+    # sat_jax/rl/lag.py.
+    c.lag_dist = "geometric"  # geometric | zipf
+    c.lag_cap = 16
     c.snapshot_placement = "device"  # device | host (pinned host memory, sharding kept)
 
     # Objective (sat_jax.losses) and its hyper-parameters.
@@ -151,6 +164,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.steps = 400
     c.sft.batch_size = 64
     c.sft.learning_rate = 3e-3
+    # Share of warm-up traces whose final answer is redrawn wrong (exactly round(share * pairs),
+    # chosen by the seed): a weak base policy with reward to gain, at a stated corruption.
+    c.sft.corrupt_share = 0.0
     c.sft.cache_dir = os.path.join("~", ".cache", "sat_jax")
 
     c.eval = ml_collections.ConfigDict()
@@ -165,6 +181,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.log.plots = True
     c.log.tensorboard = True
     c.log.progress = True
+    # Split log r into staleness log(pi_theta/pi_theta_v) and engine log(pi_theta_v/mu), each with
+    # the mismatch statistics: one more forward per step, with the behaviour version's parameters
+    # (fixed and broadcast lag modes, where a batch has one behaviour version).
+    c.log.decompose_mismatch = False
 
     # Parallelism: data-parallel devices (-1: all); multi-host set up by the CLI flags.
     c.mesh = ml_collections.ConfigDict()
@@ -182,9 +202,12 @@ def get_config() -> ml_collections.ConfigDict:
     return c
 
 
-def method_config(name: str, objective: str, *, r3: bool, correction: str = "none", **loss):
-    """The default run with one method of the paper's grid (Table 1) swapped in."""
-    c = get_config()
+def method_config(
+    name: str, objective: str, *, r3: bool, correction: str = "none", base=None, **loss
+):
+    """A base run (``base()``, default :func:`get_config`) with one method of the paper's grid
+    (Table 1) swapped in."""
+    c = (base or get_config)()
     c.name = name
     c.loss.objective = objective
     c.loss.r3 = r3

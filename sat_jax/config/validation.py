@@ -31,6 +31,9 @@ from sat_jax.rl import lag as lag_lib
 from sat_jax.rl import trainer
 from sat_jax.rl.snapshots import PLACEMENTS
 
+#: The rollout engine's compute dtypes (``rollout.dtype``).
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
+
 #: config.loss fields where 0 stands for the loss's own default.
 ZERO_MEANS_DEFAULT = ("dual_clip", "delta")
 
@@ -100,6 +103,7 @@ def loss_spec(config) -> trainer.LossSpec:
         router_aux=config.model.router_aux_loss_coef > 0,
         logprob_chunk=int(c.logprob_chunk) or None,
         prompt_group=int(config.rollout.group_size) if c.share_prompt else 1,
+        decompose_mismatch=bool(config.log.decompose_mismatch),
     )
 
 
@@ -182,8 +186,10 @@ def _check_optim(config) -> None:
         if not 0 <= o[name] < 1:
             _fail(f"optim.{name} must be in [0, 1), got {o[name]}")
     for name in ("grad_clip", "weight_decay", "warmup_steps"):
-        if o[name] < 0:
-            _fail(f"optim.{name} must be >= 0, got {o[name]}")
+        # NaN compares false with everything: "< 0" would let it through and the optimizer
+        # would then silently skip clipping or decay.
+        if not (o[name] >= 0 and math.isfinite(o[name])):
+            _fail(f"optim.{name} must be a finite number >= 0, got {o[name]}")
     try:
         trainer.make_optimizer(o.learning_rate, schedule=o.schedule)
     except ValueError as e:
@@ -211,12 +217,7 @@ def _check_data(config) -> None:
         if d[name] < 1:
             _fail(f"data.{name} must be >= 1, got {d[name]}")
     if d.source == "task":
-        from sat_jax.data import make_task
-
-        try:
-            make_task(d.task, num_digits=d.num_digits, eval_size=d.eval_size, seed=0)
-        except (ValueError, KeyError, TypeError) as e:
-            _fail(f"data.task={d.task!r}: {e}")
+        _check_task_lengths(config)
     if d.source == "jsonl":
         for what, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
             if (path or what == "data.path") and not os.path.isfile(os.path.expanduser(path)):
@@ -231,6 +232,84 @@ def _check_data(config) -> None:
             _fail(f"{what} {path!r} does not exist")
     if config.model.hf_path and d.tokenizer == "char":
         _fail("model.hf_path needs the checkpoint's tokenizer: set data.tokenizer to its directory")
+    if d.chat_template:
+        _check_chat_eos(d)
+
+
+def _check_chat_eos(d) -> None:
+    """The chat format ends a reply with ``<|im_end|>``; a response must end there too."""
+    from sat_jax.data.tokenizer import IM_END, HFTokenizer
+
+    if d.tokenizer == "char":
+        _fail(
+            "data.chat_template=True needs a Hugging Face tokenizer (data.tokenizer=<directory>): "
+            "the character tokenizer cannot encode the chat format's markers"
+        )
+    if d.eos_token:
+        return
+    # The tokenizer's own default (its tokenizer_config.json): a base checkpoint names
+    # <|endoftext|>, which a chat reply never writes, so every response would run to
+    # data.max_new_tokens.
+    eos = HFTokenizer(os.path.expanduser(d.tokenizer)).eos_token
+    if eos != IM_END:
+        _fail(
+            f"data.chat_template=True with data.eos_token='' ends responses at the tokenizer's "
+            f"default {eos!r} (a base checkpoint's), but a chat reply ends with {IM_END!r}: set "
+            f"data.eos_token={IM_END!r}"
+        )
+
+
+def _check_mesh_divides(config, sizes: dict[str, int]) -> None:
+    """The model's split dimensions against the mesh, asked of the sharding table's owner."""
+    import types
+
+    from sat_jax.data.tokenizer import CharTokenizer
+    from sat_jax.models import ModelConfig, check_mesh
+    from sat_jax.models.hf_config import config_from_hf
+
+    fields = config.model.to_dict()
+    hf_path = os.path.expanduser(fields.pop("hf_path"))
+    if hf_path:
+        try:
+            with open(os.path.join(hf_path, "config.json")) as f:
+                model = config_from_hf(json.load(f))
+        except (OSError, ValueError) as e:
+            _fail(f"model.hf_path={config.model.hf_path!r}: {e}")
+    else:
+        # The character tokenizer's vocabulary is known here; another tokenizer's is checked
+        # against the mesh when it is loaded (a vocab of the tensor size always divides).
+        vocab = CharTokenizer().vocab_size if config.data.tokenizer == "char" else sizes["tensor"]
+        model = ModelConfig(vocab_size=vocab, **fields)
+    try:
+        check_mesh(model, types.SimpleNamespace(shape=sizes))
+    except ValueError as e:
+        axes = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        _fail(f"mesh ({axes}) does not fit the model: {e}")
+
+
+def _check_task_lengths(config) -> None:
+    """The built-in task builds, and its longest prompt (with BOS) and longest supervised
+    response (with EOS) fit data.max_prompt_len and data.max_new_tokens under the character
+    tokenizer (one token per character); other tokenizers are checked when the source is built."""
+    from sat_jax.data import task_from_config
+
+    d = config.data
+    try:
+        task = task_from_config(d)
+    except (ValueError, KeyError, TypeError) as e:
+        where = f"data.task={d.task!r}" + (f", data.mixture={d.mixture!r}" if d.mixture else "")
+        _fail(f"{where}: {e}")
+    if d.tokenizer != "char":
+        return
+    for field, need, what in (
+        ("max_prompt_len", task.max_prompt_chars + 1, "prompt (BOS included)"),
+        ("max_new_tokens", task.max_target_chars + 1, "response (EOS included)"),
+    ):
+        if d[field] < need:
+            _fail(
+                f"data.{field}={d[field]} is shorter than task {task.name!r}'s longest {what}, "
+                f"{need} tokens: set data.{field} >= {need}"
+            )
 
 
 def _check_rollout(config, num_devices: int, num_processes: int) -> None:
@@ -240,12 +319,17 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
         _fail(f"rollout.group_size and rollout.prompts_per_step must be >= 1, got {g}, {p}")
     if p % num_processes:
         _fail(f"rollout.prompts_per_step={p} (global) must divide over {num_processes} processes")
-    if r.dtype not in ("float32", "bfloat16"):
-        _fail(f"rollout.dtype must be float32|bfloat16, got {r.dtype!r}")
-    if not 0 < r.top_p <= 1 or not r.temperature > 0:
+    if r.dtype not in ROLLOUT_DTYPES:
+        _fail(f"rollout.dtype must be one of {ROLLOUT_DTYPES}, got {r.dtype!r}")
+    noise = r.router_noise
+    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not noise >= 0:
+        _fail(f"rollout.router_noise must be a float >= 0 (0: off), got {noise!r}")
+    if not math.isfinite(noise):
+        _fail(f"rollout.router_noise must be finite, got {noise!r}")
+    if not 0 < r.top_p <= 1 or not (r.temperature > 0 and math.isfinite(r.temperature)):
         _fail(
-            f"rollout.top_p must be in (0, 1] and rollout.temperature > 0, got {r.top_p}, "
-            f"{r.temperature}"
+            f"rollout.top_p must be in (0, 1] and rollout.temperature finite and > 0 (inf would "
+            f"sample uniformly), got {r.top_p}, {r.temperature}"
         )
     t = r.stream_timeout_s
     if isinstance(t, bool) or not isinstance(t, int | float) or not (t > 0 and math.isfinite(t)):
@@ -274,6 +358,9 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
             f"mesh (data={m.data}, fsdp={m.fsdp}, expert={m.expert}, tensor={m.tensor}) needs "
             f"{max(data, 1) * inner} trainer devices, {available} available"
         )
+    _check_mesh_divides(
+        config, {"data": data, "fsdp": m.fsdp, "expert": m.expert, "tensor": m.tensor}
+    )
     n_dev = data * m.fsdp  # the batch is split over data x fsdp
     batch, mb = g * p, config.optim.num_minibatches
     if mb < 1 or batch % mb:
@@ -288,38 +375,133 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
         )
 
 
+def lag_schedule(config) -> lag_lib.LagSchedule:
+    """The run's lag schedule (mode, lag and, for ``sampled``, distribution and cap)."""
+    return lag_lib.LagSchedule(config.lag_mode, config.lag, config.lag_dist, config.lag_cap)
+
+
+def _check_lag(config) -> None:
+    if config.lag_dist not in lag_lib.DISTRIBUTIONS:
+        _fail(f"lag_dist must be one of {lag_lib.DISTRIBUTIONS}, got {config.lag_dist!r}")
+    try:
+        lag_schedule(config)
+    except (ValueError, TypeError) as e:
+        extra = f", lag_cap={config.lag_cap}" if config.lag_mode == "sampled" else ""
+        _fail(f"lag_mode={config.lag_mode!r}, lag={config.lag}{extra}: {e}")
+    spec = loss_spec(config)
+    if config.lag_mode == "sampled" and spec.needs_old:
+        _fail(
+            "lag_mode='sampled' mixes behaviour versions within a batch, but the loss recomputes "
+            "one behaviour version (loss.ratio_denominator=recompute, a correction comparing "
+            "with it, or log.decompose_mismatch); use fixed or broadcast for those"
+        )
+    if config.log.decompose_mismatch and config.lag_mode not in ("fixed", "broadcast"):
+        _fail(
+            f"log.decompose_mismatch needs one behaviour version per batch (lag_mode fixed or "
+            f"broadcast), got lag_mode={config.lag_mode!r}"
+        )
+
+
 def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
     """Rejects impossible settings with one :class:`ConfigError`, before any compute."""
     if config.num_steps < 1:
         _fail(f"num_steps must be >= 1, got {config.num_steps}")
+    seed = config.seed
+    # The data order (numpy) and every PRNG key (jax.random.key, a signed 64-bit seed) take it.
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        _fail(f"seed must be an int in [0, 2**63), got {seed!r}")
     chunk = config.loss.logprob_chunk
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
         _fail(f"loss.logprob_chunk must be an int >= 0 (0: no chunking), got {chunk!r}")
     if not isinstance(config.loss.share_prompt, bool):
         _fail(f"loss.share_prompt must be a bool, got {config.loss.share_prompt!r}")
-    try:
-        lag_lib.LagSchedule(config.lag_mode, config.lag)
-    except (ValueError, TypeError) as e:
-        _fail(f"lag_mode={config.lag_mode!r}, lag={config.lag}: {e}")
     if config.snapshot_placement not in PLACEMENTS:
         _fail(f"snapshot_placement must be one of {PLACEMENTS}, got {config.snapshot_placement!r}")
     _check_loss(config)
+    _check_lag(config)  # after the loss: which lag modes fit depends on what the loss recomputes
     _check_model(config)
     _check_optim(config)
     _check_data(config)
     _check_rollout(config, num_devices, num_processes)
     s = config.sft
-    if s.steps < 0 or s.batch_size < 1 or not s.learning_rate > 0:
+    if (
+        s.steps < 0
+        or s.batch_size < 1
+        or not (s.learning_rate > 0 and math.isfinite(s.learning_rate))
+    ):
         _fail(
             f"sft.steps must be >= 0, sft.batch_size >= 1 and sft.learning_rate > 0, got "
             f"{s.steps}, {s.batch_size}, {s.learning_rate}"
         )
+    if not 0.0 <= s.corrupt_share <= 1.0:
+        _fail(f"sft.corrupt_share must be in [0, 1], got {s.corrupt_share}")
     if config.eval.every < 0 or config.checkpoint.every < 0:
         _fail("eval.every and checkpoint.every must be >= 0 (0 disables)")
     if config.eval.num_prompts < 1:
         _fail(f"eval.num_prompts must be >= 1, got {config.eval.num_prompts}")
     if config.checkpoint.max_to_keep < 1:
         _fail(f"checkpoint.max_to_keep must be >= 1, got {config.checkpoint.max_to_keep}")
+    d = config.data
+    if d.source == "task" or (d.source == "jsonl" and d.tokenizer == "char"):
+        # Cheap to build here; TFDS and other tokenizers' rows are checked when the run builds
+        # them. A built-in task's lengths were checked against its own bounds above.
+        from sat_jax.data.tokenizer import CharTokenizer
+        from sat_jax.rl.components import build_sources
+
+        train_src, eval_src, task = build_sources(config)
+        if d.source == "task":
+            _check_batch_rows(config, train_src)
+        else:
+            check_data_rows(config, train_src, eval_src, CharTokenizer(), task)
+
+
+def _check_batch_rows(config, train_src) -> None:
+    from sat_jax.data import PromptIterator
+
+    p = config.rollout.prompts_per_step
+    try:  # the iterator's own rules for its batch against the rows (it draws nothing here)
+        PromptIterator(train_src, p, seed=config.seed)
+    except (ValueError, TypeError) as e:
+        _fail(f"rollout.prompts_per_step={p}: {e}")
+
+
+def check_data_rows(config, train_src, eval_src, tokenizer, task=None) -> None:
+    """The built data against the tokenizer and the slots, one :class:`ConfigError`.
+
+    Every training prompt (and the held-out prompts an evaluation reads) must encode within
+    ``data.max_prompt_len``; with a supervised warm-up (a built-in ``task``) every target plus EOS
+    within ``data.max_new_tokens``; ``rollout.prompts_per_step`` must not exceed the training
+    rows. Runs on any source and tokenizer, so a new task or dataset is checked without code of
+    its own.
+    """
+    from sat_jax.data import check_prompts, user_prompt
+
+    _check_batch_rows(config, train_src)
+    d = config.data
+    fmt = user_prompt if d.chat_template else None
+    warmup = task is not None and config.sft.steps > 0 and not config.model.hf_path
+    what = f"data.max_prompt_len={d.max_prompt_len}"
+    if warmup:
+        what += f", data.max_new_tokens={d.max_new_tokens} (the warm-up's targets)"
+    what += f" with data.tokenizer={d.tokenizer!r}"
+    try:
+        check_prompts(
+            train_src,
+            tokenizer,
+            d.max_prompt_len,
+            prompt_format=fmt,
+            max_answer_len=d.max_new_tokens if warmup else None,
+        )
+        if eval_src is not train_src:
+            check_prompts(
+                eval_src,
+                tokenizer,
+                d.max_prompt_len,
+                prompt_format=fmt,
+                rows=config.eval.num_prompts,
+            )
+    except ValueError as e:
+        _fail(f"{what}: {e}")
 
 
 def plain(config) -> dict[str, Any]:

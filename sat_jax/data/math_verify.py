@@ -8,17 +8,27 @@ both sides to numbers and compares them with a tolerance. Extraction order, firs
 3. the last "answer is X" / "answer: X";
 4. the last number anywhere in the text.
 
-Normalisation removes ``$``, spaces, LaTeX spacing and ``\\text{...}`` units, thousands
-separators ("1,234"), a leading ``+`` and a trailing period, and understands ``\\frac{a}{b}``
-(also ``\\dfrac``, ``\\tfrac``, ``\\frac12``), ``a/b``, decimals, scientific notation and
-percentages (``50%`` matches both 50 and 0.5). If either side is not a number the normalised strings
-are compared exactly.
+Normalisation removes ``$``, spaces, LaTeX spacing, ``\\text{...}`` units after a number
+("5\\text{ cm}"), thousands separators ("1,234"), a leading ``+`` and a trailing period, and
+understands ``\\frac{a}{b}`` (also ``\\dfrac``, ``\\tfrac``, ``\\frac12``), ``a/b``, decimals,
+scientific notation and percentages (``50%`` matches both 50 and 0.5). Numbers are parsed exactly
+(as fractions), in plain decimal notation only: ``1_000``, ``inf`` or ``nan`` are not numbers.
+
+Comparison:
+
+* an integer reference (``"1000000"``, ``"1e6"``, ``"4/2"``) needs exactly that value: no
+  tolerance, so ``1000001`` does not pass for ``1000000``;
+* other numbers match within ``rel_tol`` / ``abs_tol`` (``0.3333333`` for ``1/3``);
+* if either side is not a number, the normalised texts are compared exactly, with a ``\\text{}``
+  answer kept as its text (``\\text{(A)}`` is ``(A)``); an answer that normalises to nothing
+  (``\\boxed{$$}``) scores 0.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 from typing import Any
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -37,22 +47,36 @@ _NUMBER_IN_TEXT = re.compile(
 _FRAC = re.compile(r"^([-+]?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}$")
 _FRAC_SHORT = re.compile(r"^([-+]?)\\[dt]?frac(\d)(\d)$")
 _THOUSANDS = re.compile(r"^[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+# Plain decimal notation only: Python's float() and Fraction() also take "1_000", "inf", "nan"
+# and surrounding spaces, none of which is a written answer.
+_DECIMAL = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3})?$")
+# Longest digit string parsed: bounds the work a crafted answer can cause (and stays below
+# Python's int-from-str limit).
+_MAX_DIGITS = 400
 _TEXT_CMD = re.compile(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}")
+_BRACE = re.compile(r"[{}]")
 
 
 def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` with balanced braces, or None."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    for start in reversed(starts):
-        depth = 1
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i]
-    return None
+    """Content of the last ``\\boxed{...}`` with balanced braces, or None.
+
+    One pass over the braces with a stack of the open ones, so the work is linear in the text
+    (a scan forward from every ``\\boxed{`` is quadratic on unclosed boxes).
+    """
+    opens = {m.end() - 1 for m in _BOXED.finditer(text)}
+    if not opens:
+        return None
+    stack: list[int] = []  # positions of the unclosed "{"
+    best: tuple[int, int] | None = None  # (content start, end) of the latest-starting box
+    for m in _BRACE.finditer(text):
+        pos = m.start()
+        if text[pos] == "{":
+            stack.append(pos)
+        elif stack:
+            start = stack.pop()
+            if start in opens and (best is None or start > best[0]):
+                best = (start + 1, pos)
+    return None if best is None else text[best[0] : best[1]]
 
 
 def extract_answer(text: str) -> str | None:
@@ -97,8 +121,10 @@ def normalize_answer(s: str) -> str:
     s = s.strip()
     s = s.replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("\\ ", "")
     s = s.replace("\\left", "").replace("\\right", "").replace("\\$", "").replace("$", "")
-    # Keep a \text{} group that holds the number itself, drop unit words ("5\text{ cm}").
-    s = _TEXT_CMD.sub(lambda m: m.group(1) if re.search(r"\d", m.group(1)) else "", s)
+    # Unit words after a quantity are dropped ("5\text{ cm}"); otherwise a \text{} group is the
+    # answer itself ("\text{(B)}", "\text{odd}") and keeps its text.
+    without_units = _TEXT_CMD.sub(lambda m: m.group(1) if re.search(r"\d", m.group(1)) else "", s)
+    s = without_units if re.search(r"\d", without_units) else _TEXT_CMD.sub(r"\1", s)
     s = s.replace("\\%", "%")
     s = re.sub(r"\s+", "", s)
     s = s.rstrip(".")
@@ -107,16 +133,13 @@ def normalize_answer(s: str) -> str:
     return s
 
 
-def _parse_plain(s: str) -> float | None:
+def _parse_plain(s: str) -> Fraction | None:
+    """The exact value of a plain decimal ("1,234.5", "2e3"), or None."""
     if _THOUSANDS.match(s):
         s = s.replace(",", "")
-    if "," in s:
+    if len(s) > _MAX_DIGITS or not _DECIMAL.match(s):
         return None
-    try:
-        value = float(s)
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
+    return Fraction(s)
 
 
 def parse_number(s: str) -> float | None:
@@ -126,10 +149,15 @@ def parse_number(s: str) -> float | None:
     the fraction.
     """
     values = _number_candidates(s)
-    return values[0] if values else None
+    if not values:
+        return None
+    try:
+        return float(values[0])
+    except OverflowError:
+        return None
 
 
-def _number_candidates(s: str) -> list[float]:
+def _number_candidates(s: str) -> list[Fraction]:
     """Values ``s`` may denote; a percentage denotes both its face value and that over 100."""
     s = normalize_answer(s)
     if not s:
@@ -143,7 +171,7 @@ def _number_candidates(s: str) -> list[float]:
         sign, num, den = m.groups()
         num_v, den_v = _parse_plain(num), _parse_plain(den)
         if num_v is not None and den_v:
-            value = num_v / den_v * (-1.0 if sign == "-" else 1.0)
+            value = num_v / den_v * (-1 if sign == "-" else 1)
     elif s.count("/") == 1:
         num, den = s.split("/")
         num_v, den_v = _parse_plain(num), _parse_plain(den)
@@ -153,7 +181,18 @@ def _number_candidates(s: str) -> list[float]:
         value = _parse_plain(s)
     if value is None:
         return []
-    return [value, value / 100.0] if percent else [value]
+    return [value, value / 100] if percent else [value]
+
+
+def _close(p: Fraction, r: Fraction, rel_tol: float, abs_tol: float) -> bool:
+    """``p`` equals ``r``: exactly when ``r`` is an integer, else as `math.isclose` (computed
+    exactly, so huge values neither overflow nor lose digits)."""
+    if p == r:
+        return True
+    if r.denominator == 1:
+        return False
+    tol = max(Fraction(rel_tol) * max(abs(p), abs(r)), Fraction(abs_tol))
+    return abs(p - r) <= tol
 
 
 def math_reward(
@@ -169,7 +208,8 @@ def math_reward(
       completion: model output text.
       reference: the gold answer: a number, or a string such as ``"72"``, ``"\\frac{1}{2}"``,
         ``"1,000"``, or a full GSM8K solution ending in ``"#### 72"``.
-      rel_tol, abs_tol: numeric tolerance, as in `math.isclose`.
+      rel_tol, abs_tol: numeric tolerance, as in `math.isclose`, for a reference that is not an
+        integer (an integer reference is matched exactly).
     """
     predicted = extract_answer(completion)
     if predicted is None:
@@ -177,7 +217,9 @@ def math_reward(
     if isinstance(reference, bool):
         raise TypeError("reference must be a number or a string, got bool")
     if isinstance(reference, int | float):
-        ref_values = [float(reference)]
+        if not math.isfinite(reference):
+            raise ValueError(f"reference must be a finite number, got {reference!r}")
+        ref_values = [Fraction(reference)]
         ref_text = repr(reference)
     elif isinstance(reference, str):
         ref_values = _number_candidates(reference)
@@ -193,13 +235,10 @@ def math_reward(
     pred_values = _number_candidates(predicted)
     if pred_values and ref_values:
         # A percent sign on either side allows the face value or the fraction.
-        hit = any(
-            math.isclose(p, r, rel_tol=rel_tol, abs_tol=abs_tol)
-            for p in pred_values
-            for r in ref_values
-        )
+        hit = any(_close(p, r, rel_tol, abs_tol) for p in pred_values for r in ref_values)
         return float(hit)
-    return float(normalize_answer(predicted) == normalize_answer(ref_text))
+    predicted, ref_text = normalize_answer(predicted), normalize_answer(ref_text)
+    return float(bool(predicted) and predicted == ref_text)
 
 
 def math_reward_fn(completion: str, example: dict[str, Any]) -> float:

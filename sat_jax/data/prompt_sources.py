@@ -11,6 +11,10 @@ example)``. Iterating a source yields its examples in order. Three kinds:
 
 File and TFDS sources score with `math_reward_fn` (numeric verification) unless given a
 ``reward_fn``.
+
+`check_prompts` encodes every prompt of any source as the rollout engine will and raises one
+error naming the row when one does not fit the prompt slots or the tokenizer, so bad data stops
+a run when its source is built rather than at the step that first draws the row.
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ class PromptSource(abc.ABC):
     def __iter__(self) -> Iterator[Example]:
         for i in range(len(self)):
             yield self[i]
+
+    def where(self, index: int) -> str:
+        """Where example ``index`` comes from, for error messages (a file source: file:line)."""
+        return f"row {index} of {self.name!r}"
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, size={len(self)})"
@@ -120,7 +128,10 @@ def _as_text(value: Any, what: str) -> str:
     elif isinstance(value, np.generic):
         value = value.item()
     if isinstance(value, bytes):
-        return value.decode("utf-8")
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
     if isinstance(value, str):
         return value
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -157,11 +168,21 @@ class JsonlSource(ListSource):
             raise FileNotFoundError(f"JSONL file {path!r} does not exist")
         self.path = path
         examples: list[Example] = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        self._lines: list[int] = []
+        # Read as bytes and decode line by line, so a bad byte is reported at its file:line
+        # (a text-mode read fails with a byte offset into the whole file).
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                where = f"{path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(
+                        f"{where}: not valid UTF-8 (byte {raw[e.start : e.start + 1]!r} at "
+                        f"column {e.start + 1})"
+                    ) from None
                 if not line.strip():
                     continue
-                where = f"{path}:{lineno}"
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -180,9 +201,13 @@ class JsonlSource(ListSource):
                 if answer_fn is not None:
                     answer = answer_fn(answer)
                 examples.append(dict(record, prompt=prompt, answer=answer))
+                self._lines.append(lineno)
         if not examples:
             raise ValueError(f"JSONL file {path!r} contains no examples")
         super().__init__(examples, reward_fn, name=os.path.basename(path))
+
+    def where(self, index: int) -> str:
+        return f"{self.path}:{self._lines[index]}"
 
 
 def _import_tfds():
@@ -254,16 +279,102 @@ class TfdsSource(PromptSource):
                 raise ValueError(
                     f"{self.name} record {index}: missing field {field!r} (keys: {sorted(record)})"
                 )
-        example = {
-            key: _as_text(value, f"{self.name} record {index}: field {key!r}")
-            if isinstance(value, bytes | str | np.generic)
-            else value
-            for key, value in record.items()
-        }
-        example["prompt"] = _as_text(record[self.prompt_field], f"field {self.prompt_field!r}")
-        answer = _as_text(record[self.answer_field], f"field {self.answer_field!r}")
+        # Only the prompt and the answer are decoded: other features (images, flags, binary
+        # blobs) stay as TFDS returns them, so one of another kind cannot break every record.
+        example = dict(record)
+        where = f"{self.name} record {index}: field"
+        example["prompt"] = _as_text(record[self.prompt_field], f"{where} {self.prompt_field!r}")
+        answer = _as_text(record[self.answer_field], f"{where} {self.answer_field!r}")
         example["answer"] = self.answer_fn(answer) if self.answer_fn is not None else answer
         return example
 
     def reward(self, completion: str, example: Example) -> float:
         return self.reward_fn(completion, example)
+
+
+def _where(source, index: int) -> str:
+    where = getattr(source, "where", None)
+    return where(index) if where is not None else f"row {index}"
+
+
+def check_prompts(
+    source: PromptSource | Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    max_prompt_len: int,
+    *,
+    prompt_format: Callable[[str], str] | None = None,
+    max_answer_len: int | None = None,
+    rows: int | None = None,
+    chunk: int = 1024,
+) -> int:
+    """Checks that every prompt of ``source`` fits the tokenizer and ``max_prompt_len`` tokens.
+
+    Each prompt is encoded as the rollout engine encodes it: ``prompt_format`` applied (a chat
+    template, say), then ``tokenizer.batch_encode`` (with the character tokenizer, BOS
+    included). Works for any `PromptSource` or sequence of example dicts.
+
+    Args:
+      source: the examples.
+      tokenizer: ``batch_encode(texts, pad_to=None) -> (ids, lengths)`` (the sampler's layout).
+      max_prompt_len: prompt slots of the sampler.
+      prompt_format: maps a prompt to the text the policy reads.
+      max_answer_len: if given, every supervised target plus EOS must also fit this many response
+        slots (a warm-up's: the example's ``"target"`` if it has one, else its ``"answer"``, as
+        `Task.supervised_pairs`; the tokenizer's ``batch_encode`` then takes ``add_bos`` /
+        ``add_eos``, as `CharTokenizer`'s does).
+      rows: check only the first ``rows`` examples (those an evaluation reads); default all.
+      chunk: prompts encoded per call.
+
+    Returns:
+      The number of examples checked.
+
+    Raises:
+      ValueError: naming the row (``source.where``) and the text, for a prompt with a character
+        the tokenizer cannot encode; naming how many prompts are too long and the longest one
+        (row, text, token count), for prompts over ``max_prompt_len``; likewise for targets.
+    """
+    fmt = prompt_format or (lambda text: text)
+    n = len(source) if rows is None else min(int(rows), len(source))
+    # The rows without the "index" key and its copy: the check reads every row once.
+    get = source._get if isinstance(source, PromptSource) else source.__getitem__
+    checks = [("prompt", max_prompt_len, {})]
+    if max_answer_len is not None:
+        checks.append(("target", max_answer_len, {"add_eos": True}))
+    too_long = {what: 0 for what, _, _ in checks}
+    worst = {what: (0, -1, "") for what, _, _ in checks}  # (tokens, row, text): the longest
+    for lo in range(0, n, chunk):
+        examples = [get(i) for i in range(lo, min(lo + chunk, n))]
+        for what, limit, extra in checks:
+            texts = [
+                fmt(ex["prompt"]) if what == "prompt" else ex.get("target", ex["answer"])
+                for ex in examples
+            ]
+            try:
+                _, lengths = _encode(tokenizer, texts, extra)
+            except ValueError:
+                for j, text in enumerate(texts):  # find the row that does not encode
+                    try:
+                        _encode(tokenizer, [text], extra)
+                    except ValueError as e:
+                        raise ValueError(f"{_where(source, lo + j)}: {what} {e}") from None
+                raise
+            over = np.flatnonzero(lengths > limit)
+            too_long[what] += len(over)
+            for j in over.tolist():
+                if lengths[j] > worst[what][0]:
+                    worst[what] = (int(lengths[j]), lo + j, texts[j])
+    for what, limit, _ in checks:
+        if too_long[what]:
+            tokens, row, text = worst[what]
+            slots = "prompt slots (max_prompt_len)" if what == "prompt" else "response slots"
+            raise ValueError(
+                f"{too_long[what]} of {n} {what}s take more than {limit} {slots}; the longest, "
+                f"{_where(source, row)} ({text!r}), takes {tokens} tokens"
+            )
+    return n
+
+
+def _encode(tokenizer, texts: list[str], extra: dict[str, Any]):
+    if extra:  # targets: EOS appended, no BOS
+        return tokenizer.batch_encode(texts, pad_to=None, add_bos=False, **extra)
+    return tokenizer.batch_encode(texts, pad_to=None)

@@ -1,17 +1,32 @@
 """Built-in tasks with a verifiable reward, small enough for a 1-5M parameter policy on a CPU.
 
 A task owns two deterministic, disjoint splits of examples (``train`` for RL, ``eval`` held out),
-an exact-match ``reward`` and ``supervised_pairs`` for a short supervised warm-up. An example is a
-dict with at least ``"prompt"`` and ``"answer"`` (both str).
+an exact ``reward`` and ``supervised_pairs`` for a short supervised warm-up. An example is a
+dict with at least ``"prompt"`` and ``"answer"`` (both str); a task whose response shows its
+working also stores the whole supervised response as ``"target"``.
 
 Arithmetic prompts look like ``"37+85="``; the expected completion is the answer digits followed
 by EOS (``"122"``), so with the default tokenizer a 3-digit task needs 8 prompt tokens (BOS
 included) and at most 5 response tokens (EOS included).
+
+Long-response tasks (responses of tens of tokens, where token-level ratio noise accumulates over
+a sequence) draw each example from a difficulty *mixture* of levels with weights:
+
+* `LongMultiplicationTask`: ``"1234*567="`` -> ``"8638+74040+617000=699678"``, the partial
+  products written out before their sum (levels ``"AxB"``: operand digit counts);
+* `SortDigitsTask`: ``"5914="`` -> ``"1459"`` (levels ``"N"``: list lengths), so that response
+  length varies on its own, without the arithmetic.
+
+A mixture is written ``"LEVEL:WEIGHT,LEVEL:WEIGHT,..."`` (``"3x3:2,4x3:1"``; a missing weight is
+1). Each level gets a fixed share of each split (largest remainder of ``size * weight / total``),
+so the level counts are exact, not sampled.
 """
 
 from __future__ import annotations
 
 import abc
+import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,34 +55,79 @@ class Task(abc.ABC):
     def reward(self, completion: str, example: Example) -> float:
         """1.0 if ``completion`` (decoded text, EOS already stripped) is correct, else 0.0."""
 
+    @property
+    @abc.abstractmethod
+    def max_prompt_chars(self) -> int:
+        """Longest prompt in characters (add 1 for BOS)."""
+
+    @property
+    @abc.abstractmethod
+    def max_target_chars(self) -> int:
+        """Longest supervised response in characters (add 1 for EOS)."""
+
     def supervised_pairs(self, n: int, seed: int) -> list[tuple[str, str]]:
         """``n`` (prompt, target) pairs drawn from ``train`` for a supervised warm-up.
 
-        The target is the answer text alone; the trainer appends EOS. Draws without replacement
-        when ``n <= len(train)``, deterministic in ``seed``.
+        The target is the example's ``"target"`` (the response with its working) if it has one,
+        else its ``"answer"``; the trainer appends EOS. Draws without replacement when
+        ``n <= len(train)``, deterministic in ``seed``.
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         rng = np.random.default_rng(seed)
         size = len(self.train)
         idx = rng.choice(size, size=n, replace=n > size)
-        return [(self.train[int(i)]["prompt"], self.train[int(i)]["answer"]) for i in idx]
+        out = []
+        for i in idx:
+            ex = self.train[int(i)]
+            out.append((ex["prompt"], ex.get("target", ex["answer"])))
+        return out
+
+    def corrupt(self, target: str, rng: np.random.Generator) -> str:
+        """``target`` with its final answer wrong: the digits after the last ``"="`` (all of
+        ``target`` if it has none) redrawn uniformly, conditioned on differing from the original.
+
+        The working before the answer is kept, so a corrupted trace stays well formed and scores
+        0 under `reward` (a warm-up on a stated share of them gives a weak base policy).
+        """
+        cut = target.rfind("=") + 1
+        answer = target[cut:]
+        if not answer.isdigit():
+            raise ValueError(f"target {target!r} has no digits after its last '=' to corrupt")
+        while True:
+            wrong = "".join(str(d) for d in rng.integers(0, 10, size=len(answer)))
+            if wrong != answer:
+                return target[:cut] + wrong
 
 
-class _ArithmeticSplit(Sequence):
-    """Lazy sequence of arithmetic examples built from operand arrays on access."""
+class _LazySplit(Sequence):
+    """A split whose examples are built on access: ``_example(i)`` for 0 <= i < ``_size``."""
 
-    def __init__(self, a: np.ndarray, b: np.ndarray, op: str, split: str):
-        self._a, self._b, self._op, self._split = a, b, op, split
+    _split: str
+    _size: int
 
     def __len__(self) -> int:
-        return len(self._a)
+        return self._size
 
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {self._split} split of size {len(self)}")
+        return self._example(i)
+
+    @abc.abstractmethod
+    def _example(self, i: int) -> Example: ...
+
+
+class _ArithmeticSplit(_LazySplit):
+    """Lazy sequence of arithmetic examples built from operand arrays on access."""
+
+    def __init__(self, a: np.ndarray, b: np.ndarray, op: str, split: str):
+        self._a, self._b, self._op, self._split = a, b, op, split
+        self._size = len(a)
+
+    def _example(self, i: int) -> Example:
         a, b = int(self._a[i]), int(self._b[i])
         answer = a + b if self._op == "+" else a * b
         return {"prompt": f"{a}{self._op}{b}=", "answer": str(answer), "a": a, "b": b}
@@ -152,6 +212,11 @@ class ArithmeticTask(Task):
         """Longest answer in characters (add 1 for EOS)."""
         return self.num_digits + 1 if self.op == "+" else 2 * self.num_digits
 
+    @property
+    def max_target_chars(self) -> int:
+        """The answer is the whole response."""
+        return self.max_answer_chars
+
     def reward(self, completion: str, example: Example) -> float:
         """1.0 iff the completion, stripped of surrounding spaces, is exactly the answer digits.
 
@@ -186,13 +251,295 @@ class MultiplicationTask(ArithmeticTask):
         super().__init__("*", num_digits, train_size, eval_size, seed)
 
 
-TASKS = {"addition": AdditionTask, "multiplication": MultiplicationTask}
+Level = tuple[int, ...]
+
+
+def parse_mixture(spec: str, parts: int) -> tuple[tuple[Level, float], ...]:
+    """``"3x3:2,4x3:1"`` -> ``(((3, 3), 2.0), ((4, 3), 1.0))``: levels of ``parts`` positive
+    counts joined by ``"x"``, each with a weight > 0 after ``":"`` (1 when omitted).
+
+    Raises:
+      ValueError: an empty spec, a malformed or repeated level, or a weight that is not > 0.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"mixture must be a non-empty string like '3x3:2,4x3:1', got {spec!r}")
+    out: list[tuple[Level, float]] = []
+    for entry in spec.split(","):
+        level_text, _, weight_text = entry.strip().partition(":")
+        fields = level_text.split("x")
+        if len(fields) != parts or not all(f.isdigit() and int(f) > 0 for f in fields):
+            shape = "x".join(["N"] * parts)
+            raise ValueError(
+                f"mixture entry {entry.strip()!r} of {spec!r}: the level must be {shape} "
+                "with positive integers"
+            )
+        try:
+            weight = float(weight_text) if weight_text else 1.0
+        except ValueError:
+            weight = float("nan")
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ValueError(f"mixture entry {entry.strip()!r} of {spec!r}: weight must be > 0")
+        level = tuple(int(f) for f in fields)
+        if any(level == seen for seen, _ in out):
+            raise ValueError(f"mixture {spec!r} repeats level {level_text!r}")
+        out.append((level, weight))
+    return tuple(out)
+
+
+def apportion(total: int, weights: Sequence[float]) -> list[int]:
+    """Integer counts summing to ``total`` in proportion to ``weights`` (largest remainder;
+    ties go to the earlier level)."""
+    w = np.asarray(weights, dtype=np.float64)
+    exact = total * w / w.sum()
+    counts = np.floor(exact).astype(np.int64)
+    order = np.argsort(-(exact - counts), kind="stable")
+    counts[order[: total - int(counts.sum())]] += 1
+    return [int(c) for c in counts]
+
+
+class _MixtureSplit(_LazySplit):
+    """Lazy sequence of examples: entry ``i`` is instance ``rows[i]`` of level ``levels[i]``."""
+
+    def __init__(self, task: _MixtureTask, levels: np.ndarray, rows: np.ndarray, split: str):
+        self._task, self._levels, self._rows, self._split = task, levels, rows, split
+        self._size = len(levels)
+
+    def _example(self, i: int) -> Example:
+        return self._task.example(int(self._levels[i]), int(self._rows[i]))
+
+
+class _MixtureTask(Task):
+    """Examples from a weighted mixture of difficulty levels (see the module docstring).
+
+    Each level's instances are drawn once, distinct, from a generator seeded by ``(seed, level
+    index)``: its first ``eval`` count form its share of the held-out split, the next ``train``
+    count its share of the training split, so the splits never share a prompt. Each split is
+    then shuffled (seeded), so consecutive examples mix the levels.
+
+    Subclasses set ``task_name``, ``level_parts`` and ``default_mixture`` and define
+    ``_check_level``, ``_draw`` (distinct instances of a level), ``example`` and the bounds.
+    """
+
+    task_name: str
+    level_parts: int
+    default_mixture: str
+
+    def __init__(
+        self,
+        mixture: str = "",
+        train_size: int = 20_000,
+        eval_size: int = 500,
+        seed: int = 0,
+    ):
+        for what, size in (("train_size", train_size), ("eval_size", eval_size)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{what} must be an int >= 1, got {size!r}")
+        self.mixture = parse_mixture(mixture or self.default_mixture, self.level_parts)
+        for level, _ in self.mixture:
+            self._check_level(level)
+        self.seed = seed
+        self.name = f"{self.task_name}_" + "_".join(
+            "x".join(map(str, lv)) for lv, _ in self.mixture
+        )
+        weights = [w for _, w in self.mixture]
+        n_eval, n_train = apportion(eval_size, weights), apportion(train_size, weights)
+        self._data: list[np.ndarray] = []
+        split_refs: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {"eval": [], "train": []}
+        for k, (level, _) in enumerate(self.mixture):
+            count = n_eval[k] + n_train[k]
+            space = self.level_size(level)
+            if count > space:
+                raise ValueError(
+                    f"level {self.level_name(k)!r} has only {space} distinct instances, fewer "
+                    f"than the {count} its weight asks for (train_size + eval_size = "
+                    f"{train_size + eval_size}); lower its weight or the split sizes"
+                )
+            self._data.append(self._draw(level, count, np.random.default_rng((seed, k))))
+            for split, lo, hi in (("eval", 0, n_eval[k]), ("train", n_eval[k], count)):
+                split_refs[split].append((np.full(hi - lo, k), np.arange(lo, hi)))
+        rng = np.random.default_rng((seed, len(self.mixture)))
+        for split, refs in split_refs.items():
+            levels = np.concatenate([lv for lv, _ in refs])
+            rows = np.concatenate([r for _, r in refs])
+            order = rng.permutation(len(levels))
+            setattr(self, split, _MixtureSplit(self, levels[order], rows[order], split))
+
+    def level_name(self, k: int) -> str:
+        return "x".join(map(str, self.mixture[k][0]))
+
+    def level_counts(self, split: str) -> dict[str, int]:
+        """Examples per level in ``split`` (``"train"`` or ``"eval"``)."""
+        examples = self.train if split == "train" else self.eval
+        levels = np.bincount(examples._levels, minlength=len(self.mixture))
+        return {self.level_name(k): int(c) for k, c in enumerate(levels)}
+
+    @abc.abstractmethod
+    def _check_level(self, level: Level) -> None:
+        """Raises ValueError for a level this task cannot build."""
+
+    @abc.abstractmethod
+    def level_size(self, level: Level) -> int:
+        """Distinct instances of ``level``."""
+
+    @abc.abstractmethod
+    def _draw(self, level: Level, count: int, rng: np.random.Generator) -> np.ndarray:
+        """``count`` distinct instances of ``level`` as rows of an array."""
+
+    @abc.abstractmethod
+    def example(self, k: int, row: int) -> Example:
+        """Instance ``row`` of level ``k`` as an example dict."""
+
+
+_TRACE = re.compile(r"\d+(?:\+\d+)*=(\d+)")
+
+
+def multiplication_trace(a: int, b: int) -> str:
+    """``a * b`` written out: one partial product ``a * d * 10**i`` per digit ``d`` of ``b``
+    (least significant first, ``0`` for a zero digit), joined by ``"+"``, then ``"="`` and the
+    product. ``multiplication_trace(1234, 567) == "8638+74040+617000=699678"``."""
+    digits = str(b)[::-1]
+    terms = [str(a * int(d) * 10**i) for i, d in enumerate(digits)]
+    return "+".join(terms) + f"={a * b}"
+
+
+class LongMultiplicationTask(_MixtureTask):
+    """``a*b=`` with the partial products written out, then their sum.
+
+    Level ``"AxB"``: ``a`` has exactly ``A`` digits and ``b`` exactly ``B`` (no leading zeros),
+    1 <= A, B <= 6. The prompt is ``"1234*567="``, the supervised target
+    ``"8638+74040+617000=699678"`` (`multiplication_trace`): ``B`` partial products, then 2 + A
+    + B + (B - 1) characters more; 3x3 needs at most 25 response tokens with EOS, 4x4 39.
+
+    Reward (scored on the final answer, as a verifier scores a math solution): 1.0 iff the
+    completion, stripped of surrounding spaces, is one well-formed trace (``+``-separated digit
+    strings, ``=``, a digit string, nothing else) whose final number is exactly ``a * b`` in
+    canonical decimal. The working is not checked, so a right answer after wrong working
+    scores 1; a bare answer without working, a truncated trace or text after the answer score 0.
+    """
+
+    task_name = "long_multiplication"
+    level_parts = 2
+    default_mixture = "3x2:1,3x3:1,4x3:1"
+
+    def _check_level(self, level: Level) -> None:
+        if not all(1 <= n <= 6 for n in level):
+            raise ValueError(f"operand digit counts must be in [1, 6], got level {level}")
+
+    def level_size(self, level: Level) -> int:
+        return math.prod(9 * 10 ** (n - 1) for n in level)
+
+    def _draw(self, level: Level, count: int, rng: np.random.Generator) -> np.ndarray:
+        da, db = level
+        nb = 9 * 10 ** (db - 1)
+        a, b = np.divmod(_sample_pairs(self.level_size(level), count, rng), nb)
+        return np.stack([a + 10 ** (da - 1), b + 10 ** (db - 1)], axis=1)
+
+    def example(self, k: int, row: int) -> Example:
+        a, b = (int(x) for x in self._data[k][row])
+        return {
+            "prompt": f"{a}*{b}=",
+            "answer": str(a * b),
+            "target": multiplication_trace(a, b),
+            "a": a,
+            "b": b,
+            "level": self.level_name(k),
+        }
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return max(da + db + 2 for (da, db), _ in self.mixture)
+
+    @property
+    def max_target_chars(self) -> int:
+        # All-nines operands have the longest partial products and product of their level.
+        return max(
+            len(multiplication_trace(10**da - 1, 10**db - 1)) for (da, db), _ in self.mixture
+        )
+
+    def reward(self, completion: str, example: Example) -> float:
+        m = _TRACE.fullmatch(completion.strip())
+        return float(m is not None and m.group(1) == example["answer"])
+
+
+class SortDigitsTask(_MixtureTask):
+    """A digit string sorted ascending: ``"5914="`` -> ``"1459"``.
+
+    Level ``"N"``: strings of exactly ``N`` digits (leading zeros allowed), 2 <= N <= 60, drawn
+    uniformly and distinct. Prompt ``N + 1`` characters, response ``N`` (plus EOS). Reward:
+    1.0 iff the completion, stripped of surrounding spaces, is exactly the sorted string (a
+    truncated or over-long response, or any other character, scores 0).
+    """
+
+    task_name = "sort_digits"
+    level_parts = 1
+    default_mixture = "16:1,24:1,32:1"
+
+    def _check_level(self, level: Level) -> None:
+        if not 2 <= level[0] <= 60:
+            raise ValueError(f"list length must be in [2, 60], got level {level[0]}")
+
+    def level_size(self, level: Level) -> int:
+        return 10 ** level[0]
+
+    def _draw(self, level: Level, count: int, rng: np.random.Generator) -> np.ndarray:
+        n = level[0]
+        out = np.empty((0, n), np.uint8)
+        while len(out) < count:
+            fresh = rng.integers(0, 10, size=(count - len(out), n), dtype=np.uint8)
+            both = np.concatenate([out, fresh])
+            _, first = np.unique(both, axis=0, return_index=True)
+            out = both[np.sort(first)]  # distinct rows, in the order drawn
+        return out[:count]
+
+    def example(self, k: int, row: int) -> Example:
+        digits = "".join(map(str, self._data[k][row]))
+        return {
+            "prompt": f"{digits}=",
+            "answer": "".join(sorted(digits)),
+            "level": self.level_name(k),
+        }
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return max(n + 1 for (n,), _ in self.mixture)
+
+    @property
+    def max_target_chars(self) -> int:
+        return max(n for (n,), _ in self.mixture)
+
+    def reward(self, completion: str, example: Example) -> float:
+        return float(completion.strip() == example["answer"])
+
+
+TASKS = {
+    "addition": AdditionTask,
+    "multiplication": MultiplicationTask,
+    LongMultiplicationTask.task_name: LongMultiplicationTask,
+    SortDigitsTask.task_name: SortDigitsTask,
+}
+#: Tasks built from a difficulty mixture (``data.mixture``) rather than ``data.num_digits``.
+MIXTURE_TASKS = (LongMultiplicationTask.task_name, SortDigitsTask.task_name)
 
 
 def make_task(name: str, **kwargs) -> Task:
-    """Builds a built-in task by name (``"addition"`` or ``"multiplication"``)."""
+    """Builds a built-in task by name (one of :data:`TASKS`)."""
     try:
         cls = TASKS[name]
     except KeyError:
         raise ValueError(f"unknown task name {name!r}; choose from {sorted(TASKS)}") from None
     return cls(**kwargs)
+
+
+def task_from_config(data) -> Task:
+    """The built-in task of a run's ``config.data``: ``data.task`` with ``data.num_digits``
+    (addition, multiplication) or ``data.mixture`` (:data:`MIXTURE_TASKS`; ``""`` takes the
+    task's default mixture), ``data.eval_size`` held out, splits fixed by seed 0."""
+    mixture = data.get("mixture", "")
+    if data.task in MIXTURE_TASKS:
+        return make_task(data.task, mixture=mixture, eval_size=data.eval_size, seed=0)
+    if mixture:
+        raise ValueError(
+            f"data.mixture={mixture!r} applies to {MIXTURE_TASKS}; task {data.task!r} takes "
+            "data.num_digits"
+        )
+    return make_task(data.task, num_digits=data.num_digits, eval_size=data.eval_size, seed=0)

@@ -86,14 +86,14 @@ class CharTokenizer:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         ids = [self.bos_id] if add_bos else []
-        for pos, ch in enumerate(text):
-            try:
-                ids.append(self._char_to_id[ch])
-            except KeyError:
-                raise ValueError(
-                    f"unknown character {ch!r} at position {pos} of text {text!r}; the "
-                    f"tokenizer alphabet is {self.alphabet!r}"
-                ) from None
+        try:
+            ids += [self._char_to_id[ch] for ch in text]
+        except KeyError:
+            pos = next(i for i, ch in enumerate(text) if ch not in self._char_to_id)
+            raise ValueError(
+                f"unknown character {text[pos]!r} at position {pos} of text {text!r}; the "
+                f"tokenizer alphabet is {self.alphabet!r}"
+            ) from None
         if add_eos:
             ids.append(self.eos_id)
         return ids
@@ -234,6 +234,12 @@ def qwen_chat_prompt(
         if enable_thinking is False:
             parts.append("<think>\n\n</think>\n\n")
     return "".join(parts)
+
+
+def user_prompt(text: str) -> str:
+    """``text`` as one user turn of the Qwen chat format, with the generation prompt (what
+    ``data.chat_template=True`` feeds the policy)."""
+    return qwen_chat_prompt([{"role": "user", "content": text}])
 
 
 def _token_name(value: Any) -> str | None:

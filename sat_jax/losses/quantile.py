@@ -11,10 +11,10 @@ smallest key can be found by counting. Two exact methods are offered:
 * ``"radix"``: two histogram passes over the key (high 16 bits, then low 16 bits among the tokens of
   the selected high bucket). Two passes over the data; across devices it sums two fixed-size
   (2¹⁶-bucket) count vectors, whatever the batch size. Fastest on CPU and GPU, where a scatter-add
-  histogram costs about two to three counting passes. On XLA:CPU the scatter is fastest when
-  inactive tokens come in runs (right-padded responses, as in RL batches): out-of-range updates
-  are dropped by a well-predicted branch. A mask scattered at random over the batch makes the
-  first pass about 2× slower (the result is the same).
+  histogram costs a few counting passes (``benchmarks/losses.py``'s ``floor_ms``). On XLA:CPU the
+  scatter is fastest when inactive tokens come in runs (right-padded responses, as in RL
+  batches): out-of-range updates are dropped by a well-predicted branch. A mask scattered at
+  random over the batch makes the first pass slower (the result is the same).
 * ``"bisect"``: a 32-step bisection over the key, each step one masked count (one scalar ``psum``).
   32 passes, but each is a plain compare-and-sum, which is what TPUs do best (they scatter slowly).
 

@@ -58,7 +58,7 @@ class ModelConfig:
         compiles k copies (compile time grows with k, not with depth) and removes the loop's
         per-iteration costs: on XLA:CPU the stacked residuals of the backward pass (zero-filled,
         dynamically updated and sliced per layer). A 2-block model with ``scan_unroll=2`` runs
-        straight-line code, ≈ 20 % faster forward + backward here (``benchmarks/logprobs.py``).
+        straight-line code (``benchmarks/logprobs.py`` compares the two).
       moe_impl: the routed experts' computation (``sat_jax.models.moe.expert_ffn``'s ``impl``):
         ``"dense"`` (the reference: every expert for every token), ``"ragged"`` (dropless
         dispatch with ``jax.lax.ragged_dot``, for TPU/GPU), ``"blocked"`` (dropless dispatch in

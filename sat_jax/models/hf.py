@@ -38,7 +38,7 @@ distinct shards of one parameter (one copy of it). Saving gathers one block row 
 at a time (one layer's expert stack).
 
 The numerics match ``transformers``' ``Qwen3MoeForCausalLM`` / ``Qwen3ForCausalLM`` (Yang et al.
-2025, "Qwen3 Technical Report"): see ``tests/hf/test_parity.py``.
+2025, "Qwen3 Technical Report"): see ``tests/hf/test_hf_parity.py``.
 """
 
 from __future__ import annotations
@@ -214,16 +214,38 @@ def _abstract_shapes(config: ModelConfig) -> dict[Path_, tuple[int, ...]]:
 # ----------------------------------------------------------------------------- loading
 
 
+#: Tensor dtypes (safetensors' names) a checkpoint's weights may have; they are cast to
+#: param_dtype. Integer or bool tensors are refused: a cast would make numbers of them silently.
+_WEIGHT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def _shard_file(index: Path, name: Any, file: Any) -> str:
+    """``file`` of weight_map entry ``name`` if it is a relative path inside the checkpoint."""
+    entry = f"{index}: weight_map entry {name!r}: {file!r}"
+    if not isinstance(file, str) or not file:
+        raise ValueError(f"{entry} is not a file name")
+    # Lexical: a symlinked checkpoint (the Hugging Face cache's snapshots) stays loadable.
+    parts = Path(os.path.normpath(file)).parts
+    if os.path.isabs(file) or not parts or parts[0] == ".." or ".." in parts:
+        raise ValueError(f"{entry} points outside the checkpoint directory {index.parent}")
+    return file
+
+
 def _tensor_files(path: Path) -> dict[str, str]:
     """Tensor name → shard file name, from the index if present, else the single file."""
     safe_open, _ = _import_safetensors()
     index = path / INDEX_FILE
     if index.exists():
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
+        try:
+            with open(index) as f:
+                data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{index} is not valid JSON ({e})") from None
+        weight_map = data.get("weight_map") if isinstance(data, Mapping) else None
         if not isinstance(weight_map, Mapping):
             raise ValueError(f"{index} has no 'weight_map' object")
-        missing = sorted({v for v in weight_map.values() if not (path / v).exists()})
+        weight_map = {name: _shard_file(index, name, v) for name, v in weight_map.items()}
+        missing = sorted({v for v in weight_map.values() if not (path / v).is_file()})
         if missing:
             raise FileNotFoundError(f"{index} lists shard files that do not exist: {missing}")
         return dict(weight_map)
@@ -275,15 +297,32 @@ class _Reader:
         return self.handles[file].get_slice(name)
 
     def check(self, name: str, shape: tuple[int, ...]) -> None:
-        got = tuple(self._slice(name).get_shape())
+        sl = self._slice(name)
+        got = tuple(sl.get_shape())
         if got != tuple(shape):
             raise ValueError(
                 f"tensor {name} in {self.files[name]} has shape {got}, expected {tuple(shape)}"
             )
+        if sl.get_dtype() not in _WEIGHT_DTYPES:
+            raise ValueError(
+                f"tensor {name} in {self.files[name]} has dtype {sl.get_dtype()}; weights must be "
+                f"floating point ({', '.join(_WEIGHT_DTYPES)})"
+            )
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        """The part ``index`` (slices in the file's own layout) of tensor ``name``."""
-        return np.asarray(self._slice(name)[index])
+        """The part ``index`` (slices in the file's own layout) of tensor ``name``.
+
+        Raises:
+          ValueError: naming the tensor, if the part holds a NaN or an infinity.
+        """
+        part = np.asarray(self._slice(name)[index])
+        if not np.isfinite(part).all():
+            bad = int(np.size(part) - np.count_nonzero(np.isfinite(part)))
+            raise ValueError(
+                f"tensor {name} in {self.files[name]} holds {bad} non-finite value(s) (NaN or "
+                "inf); a checkpoint with them would train on garbage"
+            )
+        return part
 
 
 def _concrete(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -336,16 +375,21 @@ def load_hf(
     Raises:
       FileNotFoundError: no config.json or no weights.
       ValueError: naming the field or tensor, for an unsupported architecture or option, missing
-        or unexpected tensors, or a tensor of the wrong shape; naming the mesh axis and the
-        dimension for a mesh that does not divide the model.
+        or unexpected tensors, a tensor of the wrong shape, a non-float dtype or with NaN / inf
+        values, a malformed index or one whose entries leave the directory; naming the mesh axis
+        and the dimension for a mesh that does not divide the model.
     """
     path = Path(path)
     cfg_file = path / CONFIG_FILE
     if not cfg_file.exists():
         raise FileNotFoundError(f"{path} has no {CONFIG_FILE}")
     pdt = _float_dtype("param_dtype", param_dtype)
-    with open(cfg_file) as f:
-        config = config_from_hf(json.load(f), dtype=dtype, **{"param_dtype": pdt, **overrides})
+    try:
+        with open(cfg_file) as f:
+            hf = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_file} is not valid JSON ({e})") from None
+    config = config_from_hf(hf, dtype=dtype, **{"param_dtype": pdt, **overrides})
     files = _tensor_files(path)
     _check_names(config, files, path)
     graphdef = graphdef_for(config)

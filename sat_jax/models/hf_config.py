@@ -8,6 +8,7 @@ model code.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,26 @@ def _require(hf: Mapping[str, Any], key: str, *, alias: str | None = None) -> An
     if alias is not None and alias in hf and hf[alias] is not None:
         return hf[alias]
     raise ValueError(f"config.json lacks the required field {key!r}")
+
+
+def _int(hf: Mapping[str, Any], key: str, *, alias: str | None = None, required: bool = True):
+    """Integer field ``key`` (None when absent and not ``required``), named when malformed."""
+    value = _require(hf, key, alias=alias) if required else hf.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"config.json field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _float(hf: Mapping[str, Any], key: str, value: Any = None) -> float | None:
+    """Number field ``key`` (or ``value`` read from it), finite, named when malformed."""
+    value = hf.get(key) if value is None else value
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"config.json field {key!r} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _rope_theta(hf: Mapping[str, Any]) -> float:
@@ -51,7 +72,7 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
                 "supported (rotary over the whole head only)"
             )
         theta = rope.get("rope_theta", theta)
-    return 10000.0 if theta is None else float(theta)
+    return 10000.0 if theta is None else _float(hf, "rope_theta", theta)
 
 
 def config_from_hf(
@@ -75,6 +96,8 @@ def config_from_hf(
         attention, attention biases, scaled rotary, an activation other than SiLU) or a missing
         required field.
     """
+    if not isinstance(hf_config, Mapping):
+        raise ValueError(f"config.json must hold a JSON object, got {type(hf_config).__name__}")
     hf = dict(hf_config)
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -101,45 +124,53 @@ def config_from_hf(
         raise ValueError(f"config.json layer_types {bad} are not supported (full_attention only)")
     rope_theta = _rope_theta(hf)
 
-    num_layers = int(_require(hf, "num_hidden_layers"))
-    hidden = int(_require(hf, "hidden_size"))
-    heads = int(_require(hf, "num_attention_heads"))
-    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    num_layers = _int(hf, "num_hidden_layers")
+    hidden = _int(hf, "hidden_size")
+    heads = _int(hf, "num_attention_heads")
+    kv_heads = _int(hf, "num_key_value_heads", required=False) or heads
     # transformers' defaults when head_dim is absent: 128 for Qwen3Config, d / H for Qwen3-MoE.
     default_head_dim = 128 if model_type == "qwen3" else hidden // heads
-    head_dim = int(hf.get("head_dim") or default_head_dim)
+    head_dim = _int(hf, "head_dim", required=False) or default_head_dim
 
     num_experts = 0
     if model_type == "qwen3_moe":
-        num_experts = int(_require(hf, "num_experts", alias="num_local_experts"))
+        num_experts = _int(hf, "num_experts", alias="num_local_experts")
     if num_experts > 0:
-        step = int(hf.get("decoder_sparse_step") or 1)
-        listed = {int(i) for i in (hf.get("mlp_only_layers") or [])}
+        step = _int(hf, "decoder_sparse_step", required=False) or 1
+        listed = hf.get("mlp_only_layers") or []
+        if not isinstance(listed, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in listed
+        ):
+            raise ValueError(
+                f"config.json field 'mlp_only_layers' must be a list of layer indices, got "
+                f"{listed!r}"
+            )
+        listed = set(listed)
         mlp_only = tuple(i for i in range(num_layers) if i in listed or (i + 1) % step != 0)
         moe = dict(
             num_experts=num_experts,
-            num_experts_per_tok=int(_require(hf, "num_experts_per_tok")),
-            moe_intermediate_size=int(_require(hf, "moe_intermediate_size")),
+            num_experts_per_tok=_int(hf, "num_experts_per_tok"),
+            moe_intermediate_size=_int(hf, "moe_intermediate_size"),
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0),
+            router_aux_loss_coef=_float(hf, "router_aux_loss_coef") or 0.0,
         )
     else:
         mlp_only = tuple(range(num_layers))
         moe = dict(num_experts=1, num_experts_per_tok=1, moe_intermediate_size=1)
-    intermediate = hf.get("intermediate_size")
+    intermediate = _int(hf, "intermediate_size", required=False)
     if mlp_only and not intermediate:
         raise ValueError("config.json lacks 'intermediate_size', needed by the dense blocks")
     fields = dict(
-        vocab_size=int(_require(hf, "vocab_size")),
+        vocab_size=_int(hf, "vocab_size"),
         hidden_size=hidden,
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         mlp_only_layers=mlp_only,
-        intermediate_size=int(intermediate or ModelConfig.intermediate_size),
+        intermediate_size=intermediate or ModelConfig.intermediate_size,
         rope_theta=rope_theta,
-        rms_norm_eps=float(hf.get("rms_norm_eps") or 1e-6),
+        rms_norm_eps=_float(hf, "rms_norm_eps") or 1e-6,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         shared_expert_intermediate_size=0,
         dtype=dtype,

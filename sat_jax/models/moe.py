@@ -35,41 +35,18 @@ Paths (``impl``), with M = N·k (token, expert) pairs:
 * ``"auto"`` — ``ragged`` on TPU/GPU; on CPU ``blocked``, unless its padded rows R exceed twice
   the N·E rows of the dense path (a handful of tokens over many experts), then ``dense``.
 
-Why ``blocked`` on CPU, measured on this 2-core CPU shared with other jobs (load average 5–12;
-``python benchmarks/moe.py --repeats 15 --blocks 32,128``, f32; best of 15 interleaved runs, as a
-range over two runs; medians are 1.5–3× higher; fwd+bwd = gradients w.r.t. x, w and the three
-expert tensors; GFLOP from XLA's ``cost_analysis``):
-
-    ModelConfig.tiny()'s MoE, N 1152 (8 × 144), d 128, E 32 top-4, f 32:
-                           fwd ms      fwd+bwd ms   GFLOP fwd / fwd+bwd
-      dense                12–18       127–192      0.913 / 2.45
-      ragged              113–180      438–599      3.72  / 11.3   (XLA:CPU's dense expansion)
-      blocked, B 64         4.8–7.1     12–30       0.168 / 0.499
-      blocked, B 32         3.5–4.9     13–15       0.144 / 0.427
-      blocked, B 128        4.1–4.8     15–17       0.217 / 0.646
-      torch grouped_mm      5.3–22      68–115      transformers' Qwen3MoeExperts, 2 threads
-    the default run's MoE, N 1664 (128 × 13), d 64, E 16 top-4, f 32:
-      dense                 5.2–14      59–80       0.332 / 0.898
-      ragged               33–45       256–389      1.35  / 4.13
-      blocked, B 128        2.4–3.1      8.3–13     0.110 / 0.326
-      blocked, B 32         2.8–3.0      9.0–9.1    0.093 / 0.274
-      torch grouped_mm      3.7–12      54–69
-    one decode step (forward): N 8, d 128, E 32: dense 0.67–0.90 ms, blocked (B 8) 0.49–0.52,
-    torch 0.68–1.2; N 128, d 64, E 16: dense 0.74–0.93, blocked (B 16) 0.30–0.39, torch 0.86–1.4.
-
-The blocked path's backward costs ≈ 2× its forward in FLOPs and 1.5–3× in time; the dense path's
-4–14× in time (issue 14). Block sizes 32–128 are within the noise of each other at training
-shapes and small blocks win at decode sizes, hence M/(2E). Measured and dropped: a ``lax.scan``
-over blocks with dynamically sliced weights (no weight gather), ≈ 1.3× slower; one fused [d, 2f]
-gate-and-up matmul, no faster; ``argsort`` for the sort, 4–5× slower than the counting sort
-(≈ 1 ms of the default run's 3.5 ms forward). The batched matmuls are ≈ 80 % of the blocked
-path's forward+backward, the sort and permutations the rest. In the whole log-prob pass
-(``token_logprobs`` fwd+bwd with the MoE layers switched to ``blocked``), the default model's
-backward went from 6–10× its forward to 2.0–2.4×, and fwd+bwd got 2.2× (default) and 2.5× (tiny)
-faster than with the dense MoE (paired medians, same load).
+Why ``blocked`` on CPU: XLA:CPU has no grouped-matmul kernel, so ``ragged`` runs E/k times the
+dispatching FLOPs and ``dense`` runs every expert on every token, while ``blocked`` does only the
+padded rows' work in one batched matmul. Its backward is about twice its forward in FLOPs (the
+dense path's backward, with its [N, E, f] activations, is far more than that in time). Block sizes
+of 32–128 rows cost about the same at training shapes and small blocks win at decode sizes, hence
+the default M/(2E). Alternatives that lost on CPU and are not used: a ``lax.scan`` over blocks with
+dynamically sliced weights (no weight gather), one fused [d, 2f] gate-and-up matmul, and
+``argsort`` for the sort instead of the counting sort. ``benchmarks/moe.py`` times every path
+against transformers' experts; its latest figures are in ``docs/benchmarks.md``.
 
 The permutations into and out of the sorted buffer are gathers whose transposes would be
-scatter-adds (on XLA:CPU 2.4× the time of the gather at these sizes); since each pair occupies
+scatter-adds (slower than a gather on XLA:CPU); since each pair occupies
 exactly one row, the transpose
 of "gather by the row→pair map" is "gather by the pair→row map", and ``_dispatch`` and
 ``_combine`` say so with custom VJPs (as MaxText writes the sort's backward as the inverse
@@ -80,19 +57,16 @@ gather needs XLA's out-of-range fill, a select over the whole gathered buffer on
 ``blocked`` goes one step further: dispatch, the three expert matmuls and the combine are one
 function with its own VJP (``_blocked_ffn``), whose backward keeps only the gate and up
 activations [R, f] and regathers the rows and block weights. Plain autodiff of the same program
-kept the gathered rows [R, d], the gathered weights [nb, d, f] ×3 and the outputs, stacked over
-layers inside the blocks' scan. Measured on the transformers-peer shape (4 layers of 32 experts
-top-4, d 128, f 32, batch 8 × 144; ``token_logprobs`` forward + backward, compiled in one process,
-interleaved, 5 rounds): XLA's temp buffer 147 → 97 MB, time 180 → 168 ms (medians).
-At Qwen3-30B-A3B's widths one shard's blocks (≈ 2,100 of 128 rows at 32k tokens) gather
-≈ 19 GiB of bf16 weights a layer at once; in groups of ``GROUP_BYTES`` the CPU-compiled
-2-block train step's scratch fell 80 → 22 GiB a device (``benchmarks/scale.py --layers 2
---devices 8 --mesh 1,4,2,1``, attention in chunks of 512 both times). The tiny model's blocks
-fit one group: its program is unchanged.
+would keep the gathered rows [R, d], the gathered weights [nb, d, f] ×3 and the outputs, stacked
+over layers inside the blocks' scan. At Qwen3-30B-A3B's widths one shard's blocks (≈ 2,100 of 128
+rows at 32k tokens) would gather ≈ 19 GiB of bf16 weights a layer at once, hence the groups of
+``GROUP_BYTES`` (``benchmarks/scale.py`` reports the compiled scratch per device); the tiny model's
+blocks fit one group, so its program has no group loop.
 
 Expert parallelism (``mesh`` with an ``expert_axis`` of size P > 1; experts split in P contiguous
-ranges of E/P, ``gate_proj`` etc. sharded on axis 0 over it): a ``jax.shard_map`` over that axis
-only (the other mesh axes stay with the compiler), in which each device runs the chosen path on
+ranges of E/P, ``gate_proj`` etc. sharded on axis 0 over it): a ``jax.shard_map`` manual over every
+mesh axis (see ``_sharded``: rows split over the batch axes, experts over the expert axis,
+operands replicated over the rest), in which each device runs the chosen path on
 its own E/P experts and only on the pairs routed to them (the others are sorted into a sink
 group after the real ones, which no block holds and no ragged group covers, or get a zero gate in
 ``dense``), then the partial outputs are summed.
@@ -129,6 +103,31 @@ from jax.sharding import PartitionSpec as P
 from sat_jax.models import _checks
 
 IMPLS = ("auto", "dense", "ragged", "blocked")
+
+
+def noisy_logits(router_logits: jax.Array, key: jax.Array, std) -> jax.Array:
+    """z + std·ε, ε ~ N(0, 1) i.i.d. per token and expert, in float32: the scores a noisy
+    rollout engine takes its top-k of (``MoE(noise=(key, std))``; the gates keep the clean z).
+
+    ``std`` may be a Python float or a traced scalar; the caller draws one ``key`` per layer and
+    forward pass, so every token-layer gets independent noise.
+    """
+    z = router_logits.astype(jnp.float32)
+    return z + jnp.asarray(std, jnp.float32) * jax.random.normal(key, z.shape, jnp.float32)
+
+
+def routing_flips(chosen: jax.Array, recorded: jax.Array) -> jax.Array:
+    """Whether two routing decisions differ as sets: ``[..., k]`` int → ``[...]`` bool.
+
+    Top-k order is not part of the decision (the gates depend on the set only), so each row is
+    sorted before comparing. The routing flip rate of a batch is the mean of this over its
+    token-layers: with ``chosen`` the trainer's fresh top-k of its own router logits and
+    ``recorded`` the rollout engine's (the indices R3 replays), it is defined whether or not the
+    trainer replays them.
+    """
+    _checks.check_integer("chosen", chosen)
+    _checks.check_shape("recorded", recorded, chosen.shape)
+    return jnp.any(jnp.sort(chosen, axis=-1) != jnp.sort(recorded, axis=-1), axis=-1)
 
 
 def expert_ffn(
@@ -258,7 +257,7 @@ def _check_inputs(x, indices, weights, gate_proj, up_proj, down_proj, impl, bloc
 
 
 def _default_block(m: int, e: int) -> int:
-    """The power of two ≤ M/(2E) (half the mean group), in [8, 128]; measured, see module doc."""
+    """The power of two ≤ M/(2E) (half the mean group), in [8, 128]; see the module doc."""
     target = max(1, m // (2 * e))
     return int(min(128, max(8, 2 ** int(math.floor(math.log2(target))))))
 
@@ -291,7 +290,8 @@ def _resolve(impl: str, platform: str, n: int, k: int, e: int, block_size: int |
         return "ragged"
     m = n * k
     b = block_size or _default_block(m, e)
-    # Padded rows vs the dense path's N·E rows; at equal rows blocked still measured faster.
+    # Padded rows vs the dense path's N·E rows; at equal rows blocked does no more work and skips
+    # the [N, E] gate scatter.
     return "blocked" if _num_blocks(m, e, b) * b <= 2 * n * e else "dense"
 
 
@@ -311,7 +311,7 @@ def _local_ffn(path, x, indices, weights, gate_proj, up_proj, down_proj, *, offs
         return _dense(x, local, weights, gate_proj, up_proj, down_proj)
     # Counting sort, pair (n, j) → its rank among the pairs of its expert in flat order n·k + j
     # (the rank a stable argsort would give): pairs of earlier tokens (an exclusive cumsum of the
-    # [N, E] counts) plus earlier duplicates within the token. 4–5× faster than argsort on CPU.
+    # [N, E] counts) plus earlier duplicates within the token: no argsort.
     counts = jnp.zeros((n, e), jnp.int32).at[jnp.arange(n)[:, None], local].add(1, mode="drop")
     sizes = jnp.sum(counts, axis=0)
     earlier = jnp.cumsum(counts, axis=0) - counts
@@ -373,7 +373,7 @@ def _local_ffn(path, x, indices, weights, gate_proj, up_proj, down_proj, *, offs
 
 
 def _dense(x, local_indices, weights, gate_proj, up_proj, down_proj):
-    """Every (local) expert on every token, gates scattered to [N, E] (today's MoE.__call__)."""
+    """Every (local) expert on every token, gates scattered to [N, E]: the reference path."""
     n, e = x.shape[0], gate_proj.shape[0]
     # Index E (other devices' experts) is dropped; duplicates add up, as in the other paths.
     gates = (

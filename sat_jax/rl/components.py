@@ -13,17 +13,17 @@ import jax
 import jax.numpy as jnp
 
 from sat_jax import parallel
-from sat_jax.config.validation import loss_spec
+from sat_jax.config.validation import check_data_rows, loss_spec
 from sat_jax.data import (
     CharTokenizer,
     HFTokenizer,
     JsonlSource,
     TaskSource,
     TfdsSource,
-    make_task,
-    qwen_chat_prompt,
+    task_from_config,
+    user_prompt,
 )
-from sat_jax.models import ModelConfig, init_model, load_hf, param_shardings
+from sat_jax.models import ModelConfig, check_mesh, init_model, load_hf, param_shardings
 from sat_jax.rl import sft, trainer
 from sat_jax.rl.rollout import RolloutEngine
 from sat_jax.sampling import Sampler, SamplingParams
@@ -33,7 +33,7 @@ def build_sources(config):
     """(train source, held-out eval examples, task or None) from ``config.data``."""
     d = config.data
     if d.source == "task":
-        task = make_task(d.task, num_digits=d.num_digits, eval_size=d.eval_size, seed=0)
+        task = task_from_config(d)
         return TaskSource(task, "train"), TaskSource(task, "eval"), task
     if d.source == "jsonl":
 
@@ -102,6 +102,7 @@ def build(config, log=lambda msg: None) -> Components:
         tokenizer = HFTokenizer(
             os.path.expanduser(config.data.tokenizer), eos_token=config.data.eos_token or None
         )
+    check_data_rows(config, train_src, eval_src, tokenizer, task)
     if hf_path:
         model_cfg, graphdef, params = load_hf(
             hf_path,
@@ -121,6 +122,7 @@ def build(config, log=lambda msg: None) -> Components:
         log(f"loaded {hf_path}")
     else:
         model_cfg = ModelConfig(vocab_size=tokenizer.vocab_size, **model_fields)
+        check_mesh(model_cfg, mesh)
         graphdef, params = init_model(model_cfg, seed=config.seed)
     prompt_width, response_width = config.data.max_prompt_len, config.data.max_new_tokens
     sft_info: dict[str, float] = {}
@@ -139,6 +141,7 @@ def build(config, log=lambda msg: None) -> Components:
             prompt_width=prompt_width,
             response_width=response_width,
             cache_dir=config.sft.cache_dir,
+            corrupt_share=config.sft.corrupt_share,
             cache_spec={
                 "model": config.model.to_dict(),
                 "data": config.data.to_dict(),
@@ -158,6 +161,7 @@ def build(config, log=lambda msg: None) -> Components:
         eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id,
         dtype=jnp.dtype(config.rollout.dtype),
+        router_noise=float(config.rollout.router_noise),
     )
     engine = RolloutEngine(
         sampler=sampler,
@@ -168,9 +172,7 @@ def build(config, log=lambda msg: None) -> Components:
             config.rollout.temperature, config.rollout.top_p, config.rollout.top_k
         ),
         advantage=config.loss.advantage,
-        prompt_format=(lambda text: qwen_chat_prompt([{"role": "user", "content": text}]))
-        if config.data.chat_template
-        else None,
+        prompt_format=user_prompt if config.data.chat_template else None,
     )
     total = schedule_updates(config)
     optimizer = trainer.make_optimizer(

@@ -62,6 +62,27 @@ def code_digest() -> str:
     return h.hexdigest()[:16]
 
 
+def corrupt_pairs(task, pairs, share: float, seed: int) -> list[tuple[str, str]]:
+    """``pairs`` with exactly ``floor(share * len(pairs) + 1/2)`` targets corrupted by
+    ``task.corrupt`` (a wrong final answer), the corrupted positions and digits fixed by ``seed``.
+
+    Raises:
+      ValueError: ``share`` outside [0, 1].
+    """
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"corrupt_share must be in [0, 1], got {share}")
+    n = int(np.floor(share * len(pairs) + 0.5))
+    if n == 0:
+        return list(pairs)
+    # A stream of its own, so the clean pairs drawn from ``seed`` are the same at every share.
+    rng = np.random.default_rng((seed, 1))
+    out = list(pairs)
+    for i in sorted(rng.permutation(len(pairs))[:n].tolist()):
+        prompt, target = out[i]
+        out[i] = (prompt, task.corrupt(target, rng))
+    return out
+
+
 def _cache_key(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -101,15 +122,20 @@ def warmup(
     response_width: int,
     cache_dir: str | None,
     cache_spec: dict[str, Any],
+    corrupt_share: float = 0.0,
     log=None,
 ):
-    """Cross-entropy on the task's supervised pairs; returns (params, info dict).
+    """Cross-entropy on the task's supervised pairs, ``corrupt_share`` of them with a wrong
+    answer (`corrupt_pairs`); returns (params, info dict).
 
     ``cache_spec`` must describe everything that determines the result (model config, task,
     these settings); the cache file is keyed by its hash. A corrupt cache entry is rebuilt.
     """
+    if not 0.0 <= corrupt_share <= 1.0:
+        raise ValueError(f"corrupt_share must be in [0, 1], got {corrupt_share}")
     spec = dict(
         cache_spec,
+        corrupt_share=float(corrupt_share),
         steps=steps,
         batch_size=batch_size,
         lr=learning_rate,
@@ -145,7 +171,9 @@ def warmup(
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    pairs = task.supervised_pairs(steps * batch_size, seed)
+    pairs = corrupt_pairs(
+        task, task.supervised_pairs(steps * batch_size, seed), corrupt_share, seed
+    )
     loss = float("nan")
     for i in range(steps):
         chunk = pairs[(i * batch_size) % len(pairs) :][:batch_size]

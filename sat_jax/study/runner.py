@@ -121,9 +121,10 @@ def run_all(
 
     ``train(config) -> summary`` defaults to ``learner.train(config, quiet=True)``; tests pass a
     fake. A summary with ``interrupted`` raises :class:`Interrupted` after logging. A run that
-    raises is recorded (its traceback in ``<workdir>/error.txt``) and the grid goes on, unless the
-    exception is one of ``fatal`` (re-raised). ``after_run(progress)`` is called after each run
-    with the dict this function returns, so far (the CLI rewrites results.md there).
+    raises is recorded (its traceback in ``<workdir>/error.txt``, removed when a later attempt
+    finishes) and the grid goes on, unless the exception is one of ``fatal`` (re-raised).
+    ``after_run(progress)`` is called after each run with the dict this function returns, so far
+    (the CLI rewrites results.md there).
 
     Returns ``{"trained": [names], "skipped": [names], "failed": [names], "seconds": wall
     seconds of this call, "run_seconds": {name: seconds}}``.
@@ -198,6 +199,10 @@ def run_all(
             )
             raise Interrupted(spec.name)
         mark_finished(config, {**summary, "wall_seconds": seconds})
+        # An earlier attempt's traceback no longer describes this run.
+        stale = os.path.join(config.workdir, ERROR_FILE)
+        if os.path.exists(stale):
+            os.remove(stale)
         (cold if cold_flags[i] else warm).append(seconds)
         trained.append(spec.name)
         run_seconds[spec.name] = seconds

@@ -94,3 +94,94 @@ def test_normalize_answer():
 def test_bad_reference_type():
     with pytest.raises(TypeError, match="reference"):
         math_reward("1", [1])
+
+
+@pytest.mark.parametrize(
+    "completion, reference, reward",
+    [
+        ("1000001", "1000000", 0.0),
+        ("10000009", "10000000", 0.0),
+        ("1000000.5", "1000000", 0.0),
+        ("100000000000000000001", 10**20, 0.0),  # equal as float64
+        ("100000000000000000000", 10**20, 1.0),
+        (r"\boxed{1e6}", "1000000", 1.0),
+        ("1,000,000", 1000000, 1.0),
+        ("2.0", "4/2", 1.0),
+        ("1000000", "1000000.0000001", 1.0),  # a non-integer reference keeps the tolerance
+    ],
+)
+def test_integer_references_are_exact(completion, reference, reward):
+    assert math_reward(completion, reference) == reward
+
+
+@pytest.mark.parametrize("text", ["1_000", "inf", "-inf", "nan", "infinity", "1e99999", "0x10"])
+def test_only_plain_decimals_are_numbers(text):
+    assert parse_number(text) is None
+
+
+def test_underscore_thousands_do_not_match():
+    assert math_reward(r"\boxed{1_000}", "1000") == 0.0
+    assert math_reward("The answer is 1_000", 1000) == 0.0
+
+
+@pytest.mark.parametrize(
+    "completion, reference, reward",
+    [
+        (r"\boxed{\text{(B)}}", r"\text{(A)}", 0.0),
+        (r"\boxed{\text{(A)}}", r"\text{(A)}", 1.0),
+        (r"\boxed{(A)}", r"\text{(A)}", 1.0),
+        (r"\boxed{$$}", r"\text{odd}", 0.0),
+        (r"\boxed{\text{even}}", r"\text{odd}", 0.0),
+        (r"\boxed{\text{odd}}", "odd", 1.0),
+        (r"\boxed{$ $}", "$$", 0.0),  # nothing left on either side is not a match
+        (r"\boxed{5\text{ cm}}", "5", 1.0),  # units after a quantity are still dropped
+    ],
+)
+def test_text_answers_compare_as_text(completion, reference, reward):
+    assert math_reward(completion, reference) == reward
+
+
+def test_text_normalisation_keeps_the_words():
+    assert normalize_answer(r"\text{(B)}") == "(B)"
+    assert normalize_answer(r"\text{odd}") == "odd"
+    assert normalize_answer(r"12\text{ apples}") == "12"
+
+
+def _line_events(fn, *args) -> int:
+    """Python lines executed inside math_verify while ``fn(*args)`` runs (a count of work
+    independent of the machine's speed)."""
+    import sys
+
+    from sat_jax.data import math_verify
+
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        if frame.f_code.co_filename != math_verify.__file__:
+            return None
+        if event == "line":
+            count += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn(*args)
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_boxed_scan_is_linear():
+    # Unclosed boxes: a forward scan from every "\boxed{" does n^2 / 2 character steps.
+    small = _line_events(math_reward, "\\boxed{" * 500, "1")
+    large = _line_events(math_reward, "\\boxed{" * 2000, "1")
+    assert large < 5 * small  # 4x the input: linear work grows 4x, quadratic 16x
+    assert math_reward("\\boxed{" * 2000, "1") == 0.0
+
+
+def test_deeply_nested_boxes():
+    text = "\\boxed{" * 2000 + "7" + "}" * 2000
+    assert extract_answer(text) == "7"
+    assert extract_answer(r"\boxed{\boxed{3} and 4}") == "3"  # the box that starts last
+    assert extract_answer(r"} \boxed{2} {") == "2"  # stray braces outside the box

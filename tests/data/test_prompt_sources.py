@@ -7,7 +7,15 @@ import sys
 
 import pytest
 
-from sat_jax.data import AdditionTask, JsonlSource, ListSource, TaskSource, TfdsSource
+from sat_jax.data import (
+    AdditionTask,
+    CharTokenizer,
+    JsonlSource,
+    ListSource,
+    TaskSource,
+    TfdsSource,
+    check_prompts,
+)
 
 
 def _write(path, lines):
@@ -113,3 +121,63 @@ def test_tfds_import_is_lazy(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
     with pytest.raises(ImportError, match="tensorflow-datasets"):
         TfdsSource("gsm8k")
+
+
+def test_jsonl_non_utf8_line_names_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps({"prompt": "1+1=", "answer": "2"}).encode()
+    path.write_bytes(good + b"\n\n" + b'{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl:3: not valid UTF-8 \(byte b'\\xe9' at"):
+        JsonlSource(path)
+
+
+def test_check_prompts_counts_and_names_the_longest():
+    tok = CharTokenizer()
+    src = ListSource(
+        [
+            {"prompt": "1+1=", "answer": "2"},  # 5 tokens with BOS
+            {"prompt": "12+34=", "answer": "46"},  # 7
+            {"prompt": "123+45=", "answer": "168"},  # 8
+        ],
+        name="sums",
+    )
+    assert check_prompts(src, tok, 8) == 3
+    with pytest.raises(ValueError) as e:
+        check_prompts(src, tok, 6)
+    assert str(e.value) == (
+        "2 of 3 prompts take more than 6 prompt slots (max_prompt_len); the longest, row 2 of "
+        "'sums' ('123+45='), takes 8 tokens"
+    )
+    assert check_prompts(src, tok, 6, rows=1) == 1  # only the rows an evaluation reads
+    # Warm-up targets plus EOS against the response slots: "168" + EOS is 4.
+    assert check_prompts(src, tok, 8, max_answer_len=4) == 3
+    with pytest.raises(ValueError, match=r"1 of 3 targets take more than 3 response slots"):
+        check_prompts(src, tok, 8, max_answer_len=3)
+    # A "target" (the response with its working) is what a warm-up trains on, when there is one.
+    traced = ListSource([{"prompt": "1+1=", "answer": "2", "target": "1+1=2"}], name="traced")
+    with pytest.raises(ValueError, match=r"the longest, row 0 of 'traced' \('1\+1=2'\), takes 6"):
+        check_prompts(traced, tok, 8, max_answer_len=5)
+
+
+def test_check_prompts_applies_the_prompt_format_and_chunks():
+    tok = CharTokenizer()
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(10)]
+    assert check_prompts(rows, tok, 5, chunk=3) == 10  # a plain list of dicts; "9+1=" + BOS = 5
+    with pytest.raises(ValueError, match=r"10 of 10 prompts .* takes 8 tokens"):
+        check_prompts(rows, tok, 5, prompt_format=lambda t: "q: " + t, chunk=3)
+
+
+def test_check_prompts_names_the_row_a_tokenizer_cannot_encode(tmp_path):
+    path = _write(
+        tmp_path / "p.jsonl",
+        [
+            json.dumps({"prompt": "1+1=", "answer": "2"}),
+            "",
+            json.dumps({"prompt": "Two?", "answer": 2}),
+        ],
+    )
+    with pytest.raises(ValueError, match=r"p.jsonl:3: prompt unknown character 'T' at position 0"):
+        check_prompts(JsonlSource(path), CharTokenizer(), 16)
+    task_src = TaskSource(AdditionTask(num_digits=1, train_size=30, eval_size=10))
+    with pytest.raises(ValueError, match=r"row \d+ of 'addition_1/train': prompt unknown char"):
+        check_prompts(task_src, CharTokenizer(alphabet="0123456789="), 16)

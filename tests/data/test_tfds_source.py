@@ -2,6 +2,7 @@
 
 import sys
 
+import numpy as np
 import pytest
 
 tfds = pytest.importorskip("tensorflow_datasets")
@@ -64,4 +65,60 @@ def test_from_builder_with_answer_fn_and_iterator(data_dir):
 def test_missing_field_is_named(data_dir):
     src = TfdsSource("sat_jax_tiny_math", split="train", data_dir=data_dir, prompt_field="q")
     with pytest.raises(ValueError, match="missing field 'q'"):
+        src[0]
+
+
+class SatJaxMixedFeatures(tfds.core.GeneratorBasedBuilder):
+    """Records whose other features are not text: a flag, a vector and raw (non-UTF-8) bytes."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+        features = {
+            "question": tfds.features.Text(),
+            "answer": tfds.features.Text(),
+            "flag": tfds.features.Tensor(shape=(), dtype=np.bool_),
+            "vector": tfds.features.Tensor(shape=(2,), dtype=np.int64),
+            "blob": tfds.features.Text(),
+        }
+        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(features))
+
+    def _split_generators(self, dl_manager):
+        return {"train": self._generate_examples(3)}
+
+    def _generate_examples(self, n):
+        for i in range(n):
+            yield (
+                i,
+                {
+                    "question": f"{i}+1=",
+                    "answer": str(i + 1),
+                    "flag": i % 2 == 0,
+                    "vector": np.array([i, -i], np.int64),
+                    "blob": b"\xff\xfe" + bytes([i]),
+                },
+            )
+
+
+def test_only_prompt_and_answer_are_decoded(tmp_path):
+    SatJaxMixedFeatures(data_dir=str(tmp_path), file_format="array_record").download_and_prepare()
+    src = TfdsSource("sat_jax_mixed_features", split="train", data_dir=tmp_path)
+    examples = sorted(src, key=lambda ex: ex["prompt"])
+    assert [(ex["prompt"], ex["answer"]) for ex in examples] == [
+        ("0+1=", "1"),
+        ("1+1=", "2"),
+        ("2+1=", "3"),
+    ]
+    first = examples[0]
+    assert bool(first["flag"]) is True
+    np.testing.assert_array_equal(first["vector"], [0, 0])
+    assert first["blob"] == b"\xff\xfe\x00"  # left as TFDS returns it
+
+
+def test_non_utf8_prompt_is_named(tmp_path):
+    SatJaxMixedFeatures(data_dir=str(tmp_path), file_format="array_record").download_and_prepare()
+    src = TfdsSource(
+        "sat_jax_mixed_features", split="train", data_dir=tmp_path, prompt_field="blob"
+    )
+    with pytest.raises(ValueError, match=r"record 0: field 'blob' is not valid UTF-8"):
         src[0]

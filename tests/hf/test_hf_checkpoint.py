@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -279,3 +280,81 @@ def test_save_rejects_mismatched_params_and_bad_sizes(tmp_path):
     with pytest.raises(ValueError, match="param_dtype"):
         save_hf(tmp_path, CFG, params)
         load_hf(tmp_path, param_dtype=jnp.int32)
+
+
+def _edit_index(path, edit):
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    edit(index)
+    index_file.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("file", ["../outside.safetensors", "sub/../../outside.safetensors", "ABS"])
+def test_weight_map_entries_stay_in_the_directory(saved, tmp_path, file):
+    path = _copy(saved[0], tmp_path / "c")
+    outside = tmp_path / "outside.safetensors"
+    first = sorted(path.glob("model-*.safetensors"))[0]
+    outside.write_bytes(first.read_bytes())  # a readable shard, but not the checkpoint's
+    file = str(outside) if file == "ABS" else file
+    name = "model.norm.weight"
+    _edit_index(path, lambda index: index["weight_map"].__setitem__(name, file))
+    with pytest.raises(ValueError, match=rf"entry '{name}': .* points outside the checkpoint"):
+        load_hf(path)
+
+
+@pytest.mark.parametrize(
+    "index, message",
+    [
+        ("[1, 2]", "has no 'weight_map' object"),
+        ('{"weight_map": ["model.norm.weight"]}', "has no 'weight_map' object"),
+        ('{"weight_map": {"model.norm.weight": 5}}', "entry 'model.norm.weight': 5 is not a file"),
+        ('{"weight_map": {"model.norm.weight": null}}', "entry 'model.norm.weight': None is not"),
+        ('{"weight_map": {', "is not valid JSON"),
+    ],
+)
+def test_malformed_index_is_one_clear_error(saved, tmp_path, index, message):
+    path = _copy(saved[0], tmp_path / "c")
+    (path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError, match=message):
+        load_hf(path)
+
+
+@pytest.mark.parametrize("dtype, shown", [(np.int64, "I64"), (np.int32, "I32"), (np.bool_, "BOOL")])
+def test_integer_and_bool_weights_are_refused(saved, tmp_path, dtype, shown):
+    path = _copy(saved[0], tmp_path / "c")
+    name = "model.layers.0.input_layernorm.weight"
+    _edit_shard(path, name, lambda a: a.__setitem__(name, np.ones(a[name].shape, dtype)))
+    with pytest.raises(ValueError, match=rf"{re.escape(name)} in .* has dtype {shown}"):
+        load_hf(path)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_weights_are_refused(saved, tmp_path, value):
+    path = _copy(saved[0], tmp_path / "c")
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+
+    def poison(arrays):
+        arrays[name] = arrays[name].copy()
+        arrays[name][3, 2] = value
+
+    _edit_shard(path, name, poison)
+    with pytest.raises(ValueError, match=r"experts\.1\.down_proj\.weight in .* holds 1 non-finite"):
+        load_hf(path)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_hidden_layers": "48"}, "field 'num_hidden_layers' must be an integer, got '48'"),
+        ({"num_experts": 1.5}, "field 'num_experts' must be an integer, got 1.5"),
+        ({"mlp_only_layers": 3}, "field 'mlp_only_layers' must be a list of layer indices"),
+        ({"rms_norm_eps": "tiny"}, "field 'rms_norm_eps' must be a finite number"),
+        ({"rope_theta": float("nan")}, "field 'rope_theta' must be a finite number"),
+        ({"vocab_size": True}, "field 'vocab_size' must be an integer, got True"),
+    ],
+)
+def test_malformed_config_fields_are_named(change, message):
+    with pytest.raises(ValueError, match=message):
+        config_from_hf({**QWEN3_30B_A3B, **change})
+    with pytest.raises(ValueError, match="must hold a JSON object, got list"):
+        config_from_hf([QWEN3_30B_A3B])

@@ -131,3 +131,55 @@ def test_both_tokenizers_satisfy_the_protocol(tok_dir):
         assert tok.decode(ids + [tok.eos_id, tok.pad_id]) == "12+35="
         assert 0 <= tok.eos_id < tok.vocab_size and 0 <= tok.pad_id < tok.vocab_size
     assert isinstance(char, CharTokenizer) and isinstance(hf, HFTokenizer)
+
+
+def _config(tok_dir, **data):
+    from sat_jax.config import get_config
+
+    c = get_config()
+    c.data.tokenizer = str(tok_dir)
+    for key, value in data.items():
+        c.data[key] = value
+    return c
+
+
+def test_chat_template_on_a_base_tokenizer_needs_the_chat_eos(tok_dir):
+    from sat_jax.config import ConfigError, validate
+
+    # tok_dir's tokenizer_config.json names <|endoftext|>, as a base checkpoint's does.
+    with pytest.raises(ConfigError) as e:
+        validate(_config(tok_dir, chat_template=True))
+    assert str(e.value) == (
+        "invalid config: data.chat_template=True with data.eos_token='' ends responses at the "
+        "tokenizer's default '<|endoftext|>' (a base checkpoint's), but a chat reply ends with "
+        "'<|im_end|>': set data.eos_token='<|im_end|>'"
+    )
+    validate(_config(tok_dir, chat_template=True, eos_token="<|im_end|>"))
+    validate(_config(tok_dir, chat_template=False))  # plain prompts end at the tokenizer's EOS
+
+
+def test_prompts_are_checked_when_the_run_builds_them(tok_dir, tmp_path, monkeypatch):
+    from sat_jax.config import ConfigError, validate
+    from sat_jax.rl import components
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the data check must come before the model is built")
+
+    monkeypatch.setattr(components, "init_model", no_model)
+    path = tmp_path / "math.jsonl"
+    prompts = ["What is 1 + 2?", "What is 3 + 4?", "What is 12 + 35? The answer is 47. " * 3]
+    path.write_text("".join(json.dumps({"prompt": p, "answer": "3"}) + "\n" for p in prompts))
+    c = _config(tok_dir, source="jsonl", path=str(path), max_prompt_len=24)
+    c.rollout.prompts_per_step, c.rollout.group_size = 2, 4
+    validate(c, num_devices=8)  # a Hugging Face tokenizer's rows are checked when it is loaded
+    with pytest.raises(ConfigError, match=r"1 of 3 prompts take more than 24 prompt slots .*"):
+        components.build(c)
+    with pytest.raises(ConfigError, match=rf"the longest, {path}:3 \('What is 12"):
+        components.build(c)
+    c.data.max_prompt_len = 64
+    c.rollout.prompts_per_step = 4
+    with pytest.raises(
+        ConfigError,
+        match="prompts_per_step=4: batch_size=4 is larger than the source \\(3 examples",
+    ):
+        components.build(c)

@@ -84,4 +84,10 @@ def test_hf_checkpoint_trains_through_the_learner(tmp_path):
     summary = learner.train(c, quiet=True)
     assert summary["end_step"] == 2
     assert all(np.isfinite(h["loss/total"]) for h in summary["history"])
-    assert 0.0 <= summary["final_eval"]["pass@1"] <= 1.0
+    final = summary["final_eval"]
+    assert len(parts.eval_examples) == 4 and set(final) == {"pass@1", "avg@4", "pass@4"}
+    # 0/1 verifier rewards: pass@1 counts correct samples of 16, pass@4 prompts with one of 4.
+    assert final["pass@1"] * 16 == round(final["pass@1"] * 16)
+    assert final["pass@4"] * 4 == round(final["pass@4"] * 4)
+    assert final["avg@4"] == final["pass@1"] <= final["pass@4"]
+    assert (final["pass@1"] > 0) == (final["pass@4"] > 0)

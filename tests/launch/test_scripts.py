@@ -24,18 +24,26 @@ SCRIPTS = ["create.sh", "setup.sh", "train.sh", "fetch.sh", "logs.sh", "delete.s
 
 FAKE_IP = "10.1.2.3"
 FAKE_GCLOUD = f"""#!{sys.executable}
-import json, os, sys
+import json, os, shutil, sys
 args = sys.argv[1:]
-with open(os.environ["GCLOUD_LOG"], "a") as f:
+log = os.environ["GCLOUD_LOG"]
+with open(log, "a") as f:
     f.write(json.dumps(["gcloud", *args]) + "\\n")
 if "describe" in args and "tpu-vm" in args:
     print("{FAKE_IP}")
 elif "describe" in args and "queued-resources" in args:
-    counter = os.environ["GCLOUD_LOG"] + ".describes"
+    counter = log + ".describes"
     n = int(open(counter).read()) if os.path.exists(counter) else 0
     open(counter, "w").write(str(n + 1))
     states = os.environ.get("FAKE_QR_STATES", "ACTIVE").split(",")
-    print(states[min(n, len(states) - 1)])
+    state = states[min(n, len(states) - 1)]
+    if state == "ERROR":  # a transient failure of the API
+        sys.exit("ERROR: (gcloud) Service Unavailable (503)")
+    print(state)
+elif "scp" in args and os.path.isfile(args[4]):  # keep what was sent (the local file is temporary)
+    shutil.copy(args[4], log + ".sent-" + os.path.basename(args[5].split(":")[-1]))
+elif "ssh" in args and os.environ.get("FAKE_SSH_FAIL"):
+    sys.exit(255)
 """
 
 ZONE = "us-west4-a"
@@ -389,6 +397,27 @@ def test_queued_wait_polls_until_active(env):
     assert "WAITING_FOR_RESOURCES" in proc.stderr
 
 
+def test_queued_wait_retries_transient_errors(env):
+    env = {**env, "FAKE_QR_STATES": "ERROR,ERROR,PROVISIONING,ERROR,ACTIVE"}
+    proc = run("create.sh", [*BASE, "--queued", "--wait"], env)
+    assert [c[4] for c in calls(env)] == ["create"] + ["describe"] * 5
+    assert "polling queued resource tpu1 failed (2 of at most 5 in a row); retrying" in proc.stderr
+
+
+def test_queued_wait_gives_up_after_the_retries_and_says_what_is_left(env):
+    env = {**env, "FAKE_QR_STATES": "ERROR"}
+    proc = run("create.sh", [*BASE, "--queued", "--wait", "--wait-retries", "2"], env, check=False)
+    assert proc.returncode != 0
+    assert [c[4] for c in calls(env)] == ["create"] + ["describe"] * 3
+    assert "could not read the state of queued resource tpu1 (3 failed polls in a row)" in (
+        proc.stderr
+    )
+    assert (
+        "delete with: launch/delete.sh --zone us-west4-a --name tpu1 --project my-proj --queued"
+        in proc.stderr
+    )
+
+
 def test_queued_wait_stops_when_suspended(env):
     env = {**env, "FAKE_QR_STATES": "WAITING_FOR_RESOURCES,SUSPENDED"}
     proc = run("create.sh", [*BASE, "--queued", "--wait"], env, check=False)
@@ -482,6 +511,70 @@ def test_setup_remote_command_is_valid_shell(env):
     command = command_of(calls(env)[0])
     assert "'https://x/y z.git'" in command
     subprocess.run(["bash", "-n", "-c", command], check=True)
+
+
+SECRET_URL = "https://user:s3cr3t@example.com/sat_jax.git"
+
+
+def test_repo_url_credentials_reach_no_command_line(env):
+    proc = run(
+        "setup.sh", [*BASE, "--repo-url", SECRET_URL, "--ref", "v0.1", "--num-slices=2"], env
+    )
+    assert "s3cr3t" not in proc.stderr + proc.stdout
+    assert not any("s3cr3t" in arg for call in calls(env) for arg in call)
+    scps = [c for c in calls(env) if c[4] == "scp"]
+    assert [c[6] for c in scps] == ["tpu1-0:.sat_jax_repo_url", "tpu1-1:.sat_jax_repo_url"]
+    # The URL travels in a file, which is removed here afterwards.
+    assert Path(env["GCLOUD_LOG"] + ".sent-.sat_jax_repo_url").read_text() == SECRET_URL + "\n"
+    assert not list(Path(env["TMPDIR"]).glob("sat_jax-repo-url.*"))
+    dry = run("setup.sh", [*BASE, "--repo-url", SECRET_URL, "--dry-run"], env)
+    assert "s3cr3t" not in dry.stdout + dry.stderr
+
+
+def test_repo_url_credentials_stay_out_of_the_workers_git_config(env, checkout, tmp_path):
+    run("setup.sh", [*BASE, "--repo-url", SECRET_URL, "--ref", "main", "--apt-packages="], env)
+    command = command_of([c for c in calls(env) if c[4] == "ssh"][0])
+    fetch = command[: command.index(" && python3.11 -m venv")]  # the git part
+    home = tmp_path / "worker"
+    home.mkdir()
+    (home / ".sat_jax_repo_url").write_text(SECRET_URL + "\n")  # what the scp put there
+    subprocess.run(["git", "-C", str(checkout), "branch", "-M", "main"], check=True)
+    gitconfig = tmp_path / "gitconfig"  # the URL, here, is this machine's checkout
+    gitconfig.write_text(f'[url "{checkout}"]\n\tinsteadOf = {SECRET_URL}\n')
+    subprocess.run(
+        ["bash", "-c", fetch],
+        cwd=home,
+        env={**env, "HOME": str(home), "GIT_CONFIG_GLOBAL": str(gitconfig)},
+        check=True,
+    )
+    assert (home / "sat_jax" / "pyproject.toml").exists()
+    assert not (home / ".sat_jax_repo_url").exists()
+    assert "s3cr3t" not in (home / "sat_jax" / ".git" / "config").read_text()
+
+
+def test_credentials_in_other_commands_are_masked_when_shown(env):
+    index = "https://u:t0ken@pypi.example.com/simple"
+    args = [*BASE, "--repo-url", "u", "--install-cmd", f"pip install --index-url {index} ."]
+    proc = run("setup.sh", args, env)
+    assert "t0ken" not in proc.stderr and "https://***@pypi.example.com/simple" in proc.stderr
+    proc = run("setup.sh", [*args, "--dry-run"], env)
+    assert "t0ken" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "slices, hint",
+    [
+        ("1", "launch/delete.sh --zone us-west4-a --name tpu1 --project my-proj (add --queued if"),
+        ("2", "launch/delete.sh --zone us-west4-a --name tpu1 --project my-proj --num-slices 2"),
+    ],
+)
+def test_failed_setup_says_the_tpu_is_left_running(env, slices, hint):
+    args = [*BASE, "--repo-url", "u", "--num-slices", slices]
+    proc = run("setup.sh", args, {**env, "FAKE_SSH_FAIL": "1"}, check=False)
+    assert proc.returncode != 0
+    assert "the TPU 'tpu1' is left running, and billing; delete it with: " + hint in proc.stderr
+    ok = run("setup.sh", args, env)  # a setup that finishes says nothing of the kind
+    assert "left running" not in ok.stderr
 
 
 def test_train_remote_command_runs_in_background_and_logs(env, tmp_path):

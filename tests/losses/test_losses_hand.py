@@ -2,6 +2,7 @@
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,14 +34,16 @@ M4 = np.ones((1, 4), bool)
 def test_ppo_hand(jit):
     out = _call(losses.ppo, jit, jnp.log(R4), jnp.zeros((1, 4)), A4, M4)
     # S = [min(1.5, 1.2), min(0.5, 0.8), min(-1.1, -1.1), min(-0.7, -0.8)] = [1.2, .5, -1.1, -.8]
-    np.testing.assert_allclose(out.loss, -(1.2 + 0.5 - 1.1 - 0.8) / 4, rtol=1e-6)
-    np.testing.assert_allclose(out.metrics["clip_frac_upper"], 0.25)
-    np.testing.assert_allclose(out.metrics["clip_frac_lower"], 0.25)
-    np.testing.assert_allclose(out.metrics["clip_frac"], 0.5)
-    np.testing.assert_allclose(out.metrics["ratio_mean"], (1.5 + 0.5 + 1.1 + 0.7) / 4, rtol=1e-6)
+    chex.assert_trees_all_close(out.loss, -(1.2 + 0.5 - 1.1 - 0.8) / 4, rtol=1e-6)
+    chex.assert_trees_all_close(out.metrics["clip_frac_upper"], 0.25)
+    chex.assert_trees_all_close(out.metrics["clip_frac_lower"], 0.25)
+    chex.assert_trees_all_close(out.metrics["clip_frac"], 0.5)
+    chex.assert_trees_all_close(out.metrics["ratio_mean"], (1.5 + 0.5 + 1.1 + 0.7) / 4, rtol=1e-6)
     g = _grad(losses.ppo, jit, jnp.log(R4), jnp.zeros((1, 4)), A4, M4)
     # dS/dlogp = r·A on unclipped tokens, 0 on clipped ones; loss = -mean.
-    np.testing.assert_allclose(g, [[0.0, -0.5 / 4, 1.1 / 4, 0.0]], rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(
+        g, np.asarray([[0.0, -0.5 / 4, 1.1 / 4, 0.0]]), rtol=1e-6, atol=1e-7
+    )
 
 
 @JIT
@@ -56,8 +59,8 @@ def test_ppo_dual_clip_hand(jit):
         dual_clip=3.0,
     )
     # A<0: S = max(min(-r, -1.2), -3): r=5 -> -3 (dual clip), r=2 -> -2.
-    np.testing.assert_allclose(out.loss, (3.0 + 2.0) / 2, rtol=1e-6)
-    np.testing.assert_allclose(out.metrics["dual_clip_frac"], 0.5)
+    chex.assert_trees_all_close(out.loss, (3.0 + 2.0) / 2, rtol=1e-6)
+    chex.assert_trees_all_close(out.metrics["dual_clip_frac"], 0.5)
 
 
 def _sat_example():
@@ -74,29 +77,29 @@ def test_sat_hand(jit):
     hi = 1.0 + 0.2 * c_plus
     assert math.exp(0.10) > hi  # the gated token is newly clipped
     s = [math.exp(x) for x in np.asarray(logp)[0, :9]] + [hi]
-    np.testing.assert_allclose(out.loss, -sum(s) / 10, rtol=1e-6)
+    chex.assert_trees_all_close(out.loss, -sum(s) / 10, rtol=1e-6)
     m = out.metrics
-    np.testing.assert_allclose(m["sat/q"], 0.09, rtol=1e-6)
-    np.testing.assert_allclose(m["sat/gate_rate"], 0.1)
-    np.testing.assert_allclose(m["sat/binding_rate"], 0.1)
-    np.testing.assert_allclose(m["sat/c_min"], c_plus, rtol=1e-5)
-    np.testing.assert_allclose(m["sat/eps_high_mean"], 0.2 * (9 + c_plus) / 10, rtol=1e-6)
-    np.testing.assert_allclose(m["sat/eps_low_mean"], 0.2, rtol=1e-6)
+    chex.assert_trees_all_close(m["sat/q"], 0.09, rtol=1e-6)
+    chex.assert_trees_all_close(m["sat/gate_rate"], 0.1)
+    chex.assert_trees_all_close(m["sat/binding_rate"], 0.1)
+    chex.assert_trees_all_close(m["sat/c_min"], c_plus, rtol=1e-5)
+    chex.assert_trees_all_close(m["sat/eps_high_mean"], 0.2 * (9 + c_plus) / 10, rtol=1e-6)
+    chex.assert_trees_all_close(m["sat/eps_low_mean"], 0.2, rtol=1e-6)
     g = _grad(losses.sat, jit, logp, beh, adv, mask)
     expect = -np.exp(np.asarray(logp)) / 10
     expect[0, 9] = 0.0  # SAT clips the gated token; PPO would not (e^0.1 < 1.2)
-    np.testing.assert_allclose(g, expect, rtol=1e-5)
+    chex.assert_trees_all_close(g, expect, rtol=1e-5)
     g_ppo = _grad(losses.ppo, jit, logp, beh, adv, mask)
-    np.testing.assert_allclose(g_ppo[0, 9], -math.exp(0.1) / 10, rtol=1e-5)
+    chex.assert_trees_all_close(g_ppo[0, 9], -math.exp(0.1) / 10, rtol=1e-5)
 
 
 def test_sat_custom_kernel():
     logp, beh, adv, mask = _sat_example()
     out = losses.sat(logp, beh, adv, mask, kernel=lambda u, q: jnp.exp(-jnp.log(2.0) * u / q))
     c = math.exp(-math.log(2.0) * 0.10 / 0.09)
-    np.testing.assert_allclose(out.metrics["sat/c_min"], c, rtol=1e-5)
+    chex.assert_trees_all_close(out.metrics["sat/c_min"], c, rtol=1e-5)
     out3 = losses.sat(logp, beh, adv, mask, hill_exponent=4.0)
-    np.testing.assert_allclose(out3.metrics["sat/c_min"], 1 / (1 + (0.10 / 0.09) ** 4), rtol=1e-5)
+    chex.assert_trees_all_close(out3.metrics["sat/c_min"], 1 / (1 + (0.10 / 0.09) ** 4), rtol=1e-5)
 
 
 @JIT
@@ -105,20 +108,20 @@ def test_gspo_family_hand(jit):
     beh, adv, mask = jnp.zeros((1, 2)), jnp.ones((1,)), jnp.ones((1, 2))
     rho = math.exp(0.2)  # exp(mean(0.1, 0.3)) = 1.2214
     out = _call(losses.gspo, jit, logp, beh, adv, mask, eps_low=0.2, eps_high=0.2)
-    np.testing.assert_allclose(out.loss, -1.2, rtol=1e-6)  # clipped at 1 + 0.2
-    np.testing.assert_allclose(out.metrics["clip_frac_upper"], 1.0)
-    np.testing.assert_allclose(out.metrics["mismatch"], 0.2, rtol=1e-6)  # token ratios: (.1+.3)/2
+    chex.assert_trees_all_close(out.loss, -1.2, rtol=1e-6)  # clipped at 1 + 0.2
+    chex.assert_trees_all_close(out.metrics["clip_frac_upper"], 1.0)
+    chex.assert_trees_all_close(out.metrics["mismatch"], 0.2, rtol=1e-6)  # token ratios: (.1+.3)/2
     for fn in (losses.gspo, losses.gspo_token):
         out = _call(fn, jit, logp, beh, adv, mask, eps_low=0.3, eps_high=0.3)
-        np.testing.assert_allclose(out.loss, -rho, rtol=1e-6)
+        chex.assert_trees_all_close(out.loss, -rho, rtol=1e-6)
         g = _grad(fn, jit, logp, beh, adv, mask, eps_low=0.3, eps_high=0.3)
-        np.testing.assert_allclose(g, [[-rho / 2, -rho / 2]], rtol=1e-5)
+        chex.assert_trees_all_close(g, np.asarray([[-rho / 2, -rho / 2]]), rtol=1e-5)
     # Per-token advantages: GSPO-token gives each token its own advantage's gradient.
     adv_t = jnp.array([[1.0, 0.0]])
     g_tok = _grad(losses.gspo_token, jit, logp, beh, adv_t, mask, eps_low=0.3, eps_high=0.3)
-    np.testing.assert_allclose(g_tok, [[-rho / 2, 0.0]], rtol=1e-5)
+    chex.assert_trees_all_close(g_tok, np.asarray([[-rho / 2, 0.0]]), rtol=1e-5)
     g_seq = _grad(losses.gspo, jit, logp, beh, adv_t, mask, eps_low=0.3, eps_high=0.3)
-    np.testing.assert_allclose(g_seq, [[-rho / 4, -rho / 4]], rtol=1e-5)
+    chex.assert_trees_all_close(g_seq, np.asarray([[-rho / 4, -rho / 4]]), rtol=1e-5)
 
 
 @JIT
@@ -135,8 +138,8 @@ def test_seqclip_hand(jit):
         eps_low=0.2,
         eps_high=0.2,
     )
-    np.testing.assert_allclose(out.loss, -2 * math.exp(0.001) / 4, rtol=1e-6)
-    np.testing.assert_allclose(out.metrics["seqclip/kept_frac"], 0.5)
+    chex.assert_trees_all_close(out.loss, -2 * math.exp(0.001) / 4, rtol=1e-6)
+    chex.assert_trees_all_close(out.metrics["seqclip/kept_frac"], 0.5)
 
 
 @JIT
@@ -146,28 +149,30 @@ def test_dppo_hand(jit):
     logp = jnp.log(jnp.array([[0.505, 0.505]]))
     adv = jnp.array([[1.0, -1.0]])  # token 0 moves outward (dropped), token 1 pulls back (kept)
     out = _call(losses.dppo, jit, logp, beh, adv, jnp.ones((1, 2)))
-    np.testing.assert_allclose(out.loss, 1.01 / 2, rtol=1e-5)
-    np.testing.assert_allclose(out.metrics["dppo/masked_frac"], 0.5)
+    chex.assert_trees_all_close(out.loss, 1.01 / 2, rtol=1e-5)
+    chex.assert_trees_all_close(out.metrics["dppo/masked_frac"], 0.5)
     # With δ = 0.01 nothing is dropped.
     out = _call(losses.dppo, jit, logp, beh, adv, jnp.ones((1, 2)), delta=0.01)
-    np.testing.assert_allclose(out.loss, -(1.01 - 1.01) / 2, atol=1e-6)
+    chex.assert_trees_all_close(out.loss, -(1.01 - 1.01) / 2, atol=1e-6)
     # KL discriminator: KL_B(0.5‖0.505) ≈ 5.0e-5, below the default δ = 0.05.
     out = _call(losses.dppo, jit, logp, beh, adv, jnp.ones((1, 2)), divergence="kl")
-    np.testing.assert_allclose(out.metrics["dppo/masked_frac"], 0.0)
+    chex.assert_trees_all_close(out.metrics["dppo/masked_frac"], 0.0)
     kl = 0.5 * math.log(0.5 / 0.505) + 0.5 * math.log(0.5 / 0.495)
-    np.testing.assert_allclose(losses.bernoulli_kl(jnp.log(0.5), jnp.log(0.505)), kl, rtol=1e-3)
+    chex.assert_trees_all_close(losses.bernoulli_kl(jnp.log(0.5), jnp.log(0.505)), kl, rtol=1e-3)
 
 
 @JIT
 def test_spo_drpo_hand(jit):
     r, adv, mask = jnp.log(jnp.array([[1.5]])), jnp.ones((1,)), jnp.ones((1, 1))
     out = _call(losses.spo, jit, r, jnp.zeros((1, 1)), adv, mask, eps=0.2)
-    np.testing.assert_allclose(out.loss, -(1.5 - 0.25 / 0.4), rtol=1e-6)  # S = 0.875
+    chex.assert_trees_all_close(out.loss, -(1.5 - 0.25 / 0.4), rtol=1e-6)  # S = 0.875
     g = _grad(losses.spo, jit, r, jnp.zeros((1, 1)), adv, mask, eps=0.2)
-    np.testing.assert_allclose(g, [[-1.5 * (1 - 0.5 / 0.2)]], rtol=1e-6)  # -r(A - |A|(r-1)/ε)
+    chex.assert_trees_all_close(
+        g, np.asarray([[-1.5 * (1 - 0.5 / 0.2)]]), rtol=1e-6
+    )  # -r(A - |A|(r-1)/ε)
     beh = jnp.log(jnp.array([[0.5]]))
     out = _call(losses.drpo, jit, beh + r, beh, adv, mask, delta=0.1)
-    np.testing.assert_allclose(out.loss, -(1.5 - 0.5 * 0.25 / 0.2), rtol=1e-6)
+    chex.assert_trees_all_close(out.loss, -(1.5 - 0.5 * 0.25 / 0.2), rtol=1e-6)
 
 
 @JIT
@@ -175,17 +180,19 @@ def test_corrections_hand(jit):
     beh = jnp.zeros((1, 4))
     old = jnp.log(jnp.array([[3.0, 0.5, 6.0, 0.4]]))
     mask = jnp.array([[1, 1, 1, 0]])
-    np.testing.assert_allclose(_call(losses.tis, jit, old, beh, mask), [[2.0, 0.5, 2.0, 0.0]], 1e-6)
+    chex.assert_trees_all_close(
+        _call(losses.tis, jit, old, beh, mask), np.asarray([[2.0, 0.5, 2.0, 0.0]]), rtol=1e-6
+    )
     w = _call(losses.icepop, jit, old, beh, mask)
-    np.testing.assert_allclose(w, [[3.0, 0.5, 0.0, 0.0]], 1e-6)
-    np.testing.assert_allclose(
-        _call(losses.icepop, jit, old, beh, mask, binary=True), [[1.0, 1.0, 0.0, 0.0]]
+    chex.assert_trees_all_close(w, np.asarray([[3.0, 0.5, 0.0, 0.0]]), rtol=1e-6)
+    chex.assert_trees_all_close(
+        _call(losses.icepop, jit, old, beh, mask, binary=True), np.asarray([[1.0, 1.0, 0.0, 0.0]])
     )
     logp = jnp.log(jnp.array([[0.5, 0.9, 0.5]]))
     behp = jnp.log(jnp.array([[0.5, 0.1, 0.52]]))
     w = _call(losses.kpop, jit, logp, behp, jnp.ones((1, 3)), phi=0.01)
     # KL_B(0.5‖0.52) ≈ 8e-4 both ways (kept); 0.9 vs 0.1 is ≈ 1.76 nats (dropped).
-    np.testing.assert_allclose(w, [[1.0, 0.0, 1.0]])
+    chex.assert_trees_all_close(w, np.asarray([[1.0, 0.0, 1.0]]))
 
 
 def test_correction_composes_with_objective():
@@ -197,7 +204,7 @@ def test_correction_composes_with_objective():
         jnp.ones((1, 2)),
         token_weights=jnp.array([[2.0, 0.5]]),
     )
-    np.testing.assert_allclose(out.loss, -(2.0 * 1.0 + 0.5 * 1.1) / 2, rtol=1e-6)
+    chex.assert_trees_all_close(out.loss, -(2.0 * 1.0 + 0.5 * 1.1) / 2, rtol=1e-6)
     # Weights are detached: the gradient is w·r·A/n, with no term from w.
     g = jax.grad(
         lambda w: (
@@ -215,31 +222,31 @@ def test_low_var_kl_and_mismatch_hand(jit):
     ref = jnp.log(jnp.array([[0.5, 0.5]]))
     out = _call(losses.low_var_kl, jit, logp, ref, jnp.ones((1, 2)))
     k3 = 2.0 - 1.0 - math.log(2.0)  # x = log 2
-    np.testing.assert_allclose(out.loss, k3 / 2, rtol=1e-6)
-    np.testing.assert_allclose(out.metrics["kl"], k3 / 2, rtol=1e-6)
+    chex.assert_trees_all_close(out.loss, k3 / 2, rtol=1e-6)
+    chex.assert_trees_all_close(out.metrics["kl"], k3 / 2, rtol=1e-6)
     m = _call(losses.mismatch_metrics, jit, logp, ref, jnp.ones((1, 2)))
     d = [-math.log(2.0), 0.0]
-    np.testing.assert_allclose(m["mismatch"], math.log(2.0) / 2, rtol=1e-6)
-    np.testing.assert_allclose(m["k1"], math.log(2.0) / 2, rtol=1e-6)
-    np.testing.assert_allclose(m["k3"], (0.5 - 1 + math.log(2.0)) / 2, rtol=1e-6)
-    np.testing.assert_allclose(m["log_ratio_var"], np.var(d), rtol=1e-5)
-    np.testing.assert_allclose(m["mismatch_max"], math.log(2.0), rtol=1e-6)
+    chex.assert_trees_all_close(m["mismatch"], math.log(2.0) / 2, rtol=1e-6)
+    chex.assert_trees_all_close(m["k1"], math.log(2.0) / 2, rtol=1e-6)
+    chex.assert_trees_all_close(m["k3"], (0.5 - 1 + math.log(2.0)) / 2, rtol=1e-6)
+    chex.assert_trees_all_close(m["log_ratio_var"], np.var(d), rtol=1e-5)
+    chex.assert_trees_all_close(m["mismatch_max"], math.log(2.0), rtol=1e-6)
 
 
 def test_aggregations_hand():
     x = jnp.array([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     m = jnp.array([[1, 1, 1], [1, 0, 0]])
-    np.testing.assert_allclose(losses.aggregate(x, m, "token-mean"), 10 / 4)
-    np.testing.assert_allclose(losses.aggregate(x, m, "seq-mean-token-mean"), (2 + 4) / 2)
-    np.testing.assert_allclose(losses.aggregate(x, m, "seq-mean-token-sum"), (6 + 4) / 2)
-    np.testing.assert_allclose(losses.aggregate(x, m, "seq-mean-token-sum-norm"), 10 / 6)
+    chex.assert_trees_all_close(losses.aggregate(x, m, "token-mean"), 10 / 4)
+    chex.assert_trees_all_close(losses.aggregate(x, m, "seq-mean-token-mean"), (2 + 4) / 2)
+    chex.assert_trees_all_close(losses.aggregate(x, m, "seq-mean-token-sum"), (6 + 4) / 2)
+    chex.assert_trees_all_close(losses.aggregate(x, m, "seq-mean-token-sum-norm"), 10 / 6)
     # A sequence with no active token does not count in the sequence means.
     x3 = jnp.concatenate([x, jnp.full((1, 3), 7.0)])
     m3 = jnp.concatenate([m, jnp.zeros((1, 3), m.dtype)])
-    np.testing.assert_allclose(losses.aggregate(x3, m3, "seq-mean-token-mean"), 3.0)
+    chex.assert_trees_all_close(losses.aggregate(x3, m3, "seq-mean-token-mean"), 3.0)
     for mode in losses.AGGREGATIONS:
         out = losses.ppo(jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.ones((2,)), m, aggregation=mode)
-        np.testing.assert_allclose(out.loss, -losses.aggregate(jnp.ones((2, 3)), m, mode))
+        chex.assert_trees_all_close(out.loss, -losses.aggregate(jnp.ones((2, 3)), m, mode))
 
 
 def test_quantile_hand():
@@ -257,12 +264,14 @@ def test_quantile_hand():
 def test_advantages_hand():
     r = jnp.array([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
     s = math.sqrt(1.0 / 3.0)  # unbiased std of [1, 0, 0, 1]
-    np.testing.assert_allclose(
+    chex.assert_trees_all_close(
         advantages.grpo(r)[0], np.array([0.5, -0.5, -0.5, 0.5]) / (s + 1e-6), rtol=1e-6
     )
-    np.testing.assert_allclose(advantages.grpo(r)[1], 0.0)  # equal rewards: no signal
-    np.testing.assert_allclose(advantages.dr_grpo(r)[0], [0.5, -0.5, -0.5, 0.5])
-    np.testing.assert_allclose(advantages.rloo(r)[0], [1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3], 1e-6)
+    chex.assert_trees_all_close(advantages.grpo(r)[1], 0.0)  # equal rewards: no signal
+    chex.assert_trees_all_close(advantages.dr_grpo(r)[0], np.asarray([0.5, -0.5, -0.5, 0.5]))
+    chex.assert_trees_all_close(
+        advantages.rloo(r)[0], np.asarray([1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3]), rtol=1e-6
+    )
     assert advantages.get("rloo") is advantages.rloo
     with pytest.raises(ValueError, match="rewards"):
         advantages.grpo(jnp.ones((4,)))
@@ -295,7 +304,7 @@ def test_registry():
 
 
 def test_signatures_match_the_documented_api():
-    """Positional use as documented in the issue/README, and losses imports no flax/optax/orbax."""
+    """Positional use as the README shows, and losses imports no flax/optax/orbax."""
     old, beh, mask = jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones((1, 2))
     np.testing.assert_array_equal(losses.tis(old, beh, mask, 2.0), 1.0)
     np.testing.assert_array_equal(losses.icepop(old, beh, mask, 0.5, 5.0, True), 1.0)

@@ -1,6 +1,7 @@
 """Every objective against the independent NumPy reference, values and gradients, random inputs."""
 
 import _loss_reference as ref
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,10 +57,10 @@ def test_matches_numpy_reference(name, hp, aggregation):
         clean = np.where(mask, logp, 0.0)
         got, got_g = value_and_grad(logp, beh, adv, mask)
         want = ref.loss(name, clean, beh, adv, mask, aggregation=aggregation, **hp)
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+        chex.assert_trees_all_close(got, want, rtol=2e-5, atol=1e-6)
         want_g = ref.grad(name, clean, beh, adv, mask, aggregation=aggregation, **hp)
-        np.testing.assert_allclose(got_g, want_g, rtol=2e-4, atol=2e-6)
-        assert np.all(np.isfinite(got_g))
+        chex.assert_trees_all_close(got_g, want_g, rtol=2e-4, atol=2e-6)
+        chex.assert_tree_all_finite(got_g)
 
 
 @pytest.mark.parametrize(
@@ -77,25 +78,28 @@ def test_other_aggregations_match_reference(aggregation):
     for name in ("ppo", "sat"):
         got = losses.get(name)(logp, beh, adv, mask, aggregation=aggregation).loss
         want = ref.loss(name, clean, beh, adv, mask, aggregation=aggregation)
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+        chex.assert_trees_all_close(got, want, rtol=2e-5, atol=1e-6)
 
 
 def test_token_weights_match_reference():
     logp, beh, adv, mask = _inputs(3, False)
     old = beh + np.random.default_rng(3).normal(0, 0.5, beh.shape).astype(np.float32)
     w = losses.tis(old, beh, mask)
-    np.testing.assert_allclose(w, np.where(mask, np.minimum(np.exp(old - beh), 2.0), 0.0), 1e-5)
+    chex.assert_trees_all_close(
+        w, np.where(mask, np.minimum(np.exp(old - beh), 2.0), 0.0), rtol=1e-5
+    )
     got = losses.sat(logp, beh, adv, mask, token_weights=w).loss
     want = ref.loss("sat", np.where(mask, logp, 0.0), beh, adv, mask, weights=np.asarray(w))
-    np.testing.assert_allclose(got, want, rtol=2e-5)
+    chex.assert_trees_all_close(got, want, rtol=2e-5)
 
 
 def test_mismatch_metrics_match_reference():
     logp, beh, adv, mask = _inputs(4, False)
     got = losses.mismatch_metrics(logp, beh, mask)
     want = ref.mismatch(np.where(mask, logp, 0.0), beh, mask)
-    for k, v in want.items():
-        np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-7, err_msg=k)
+    chex.assert_trees_all_close(
+        dict(got), {k: np.float32(v) for k, v in want.items()}, rtol=1e-4, atol=1e-7
+    )
 
 
 @pytest.mark.parametrize("alpha", [0.9, 0.5, 0.75, 0.95, 1.0, 0.1, 0.333])

@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,7 +72,9 @@ def test_proposition_4_1(d, adv, mask, el, eh, alpha):
     safe = mask & np.all(np.abs(r[None] - kinks) > 1e-5, axis=0)
     n = max(mask.sum(), 1)
     np.testing.assert_array_equal(np.asarray(g_sat)[band & safe], 0.0)
-    np.testing.assert_allclose(np.asarray(g_ppo)[band & safe], (-r * adv / n)[band & safe], 1e-5)
+    chex.assert_trees_all_close(
+        np.asarray(g_ppo)[band & safe], (-r * adv / n)[band & safe], rtol=1e-5
+    )
     off = safe & ~band
     np.testing.assert_array_equal(np.asarray(g_sat)[off], np.asarray(g_ppo)[off])
     # Pull-back moves (A·(r − 1) < 0) are never touched.
@@ -81,8 +84,8 @@ def test_proposition_4_1(d, adv, mask, el, eh, alpha):
 
     # Gate rate ≤ 1 − α (strict gate: at most the top (1 − α) share, fewer with ties).
     assert float(metrics["sat/gate_rate"]) <= 1 - alpha + 1e-6
-    np.testing.assert_allclose(metrics["sat/gate_rate"], gated.sum() / n, rtol=1e-6)
-    np.testing.assert_allclose(metrics["sat/binding_rate"], band.sum() / n, rtol=1e-6)
+    chex.assert_trees_all_close(metrics["sat/gate_rate"], gated.sum() / n, rtol=1e-6)
+    chex.assert_trees_all_close(metrics["sat/binding_rate"], band.sum() / n, rtol=1e-6)
     assert float(metrics["sat/q"]) == q
 
 
@@ -128,7 +131,7 @@ def test_q_zero_branch_and_ties():
     # All |d| tied: q equals every |d| and the strict gate selects nothing.
     tied = np.full((B, T), 0.05, np.float32) * np.where(np.arange(T) % 2, 1, -1)
     out = losses.sat(tied, jnp.zeros_like(tied), adv, mask)
-    np.testing.assert_allclose(out.metrics["sat/q"], 0.05)
+    chex.assert_trees_all_close(out.metrics["sat/q"], 0.05)
     assert float(out.metrics["sat/gate_rate"]) == 0.0
     assert float(out.metrics["sat/c_min"]) == 1.0
 

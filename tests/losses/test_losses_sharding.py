@@ -1,8 +1,17 @@
-"""Data-parallel exactness: shard_map and pmap over 8 CPU devices equal the unsharded batch."""
+"""Every objective run four ways, as rlax's tests do (parameterized, no ``chex.variants``): eager,
+jitted, under ``jax.shard_map`` and under ``jax.pmap`` over 8 CPU devices. Each way must give the
+unsharded batch's loss, metrics and gradient: shapes and dtypes checked with chex, values against
+the NumPy reference (``_loss_reference``) and the eager metrics, padding (``inf``) never leaking.
+
+The same pattern checks a user's own objective: swap ``losses.get(name)`` for it.
+"""
 
 import functools
+import operator
 import re
 
+import _loss_reference as ref
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +33,7 @@ OBJECTIVES = [
     ("spo", {}),
     ("drpo", {"delta": 0.05}),
 ]
+VARIANTS = ["eager", "jit", "shard_map", "pmap"]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +42,7 @@ def mesh():
     return jax.make_mesh((NDEV,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
-@pytest.fixture(scope="module")
-def batch():
+def _make_batch():
     rng = np.random.default_rng(0)
     beh = np.log(rng.uniform(0.05, 0.95, (B, T))).astype(np.float32)
     logp = (beh + rng.normal(0, 0.1, (B, T))).astype(np.float32)
@@ -45,6 +54,11 @@ def batch():
     mask = np.arange(T)[None, :] < lengths[:, None]
     logp[~mask] = np.inf  # padding must never matter, sharded or not
     return logp, beh, adv, mask
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return _make_batch()
 
 
 def _value_and_grad(fn, hp, axis_name=None):
@@ -73,40 +87,58 @@ def _put(mesh, *arrays):
     return [jax.device_put(a, sharding) for a in arrays]
 
 
-def _assert_same(got, want, tag):
-    (gv, gm, gg), (wv, wm, wg) = got, want
-    np.testing.assert_allclose(gv, wv, rtol=1e-5, atol=1e-7, err_msg=tag)
-    assert set(gm) == set(wm)
-    for k in wm:
-        np.testing.assert_allclose(gm[k], wm[k], rtol=1e-5, atol=1e-7, err_msg=f"{tag}:{k}")
-    np.testing.assert_allclose(gg, wg, rtol=1e-5, atol=1e-8, err_msg=tag)
+def _split(*arrays):  # the leading batch axis as pmap's device axis
+    return [a.reshape(NDEV, a.shape[0] // NDEV, *a.shape[1:]) for a in arrays]
 
 
-@pytest.mark.parametrize("name,hp", OBJECTIVES, ids=[n for n, _ in OBJECTIVES])
-def test_shard_map_equals_unsharded(name, hp, mesh, batch):
-    fn = losses.get(name)
-    want = jax.jit(_value_and_grad(fn, hp))(*batch)
-    got = _sharded(fn, hp, mesh)(*_put(mesh, *batch))
-    _assert_same(got, want, name)
-    if "sat/q" in want[1]:  # the global quantile is exact, not approximately equal
-        assert float(got[1]["sat/q"]) == float(want[1]["sat/q"])
-
-
-@pytest.mark.parametrize("name,hp", OBJECTIVES, ids=[n for n, _ in OBJECTIVES])
-def test_pmap_equals_unsharded(name, hp, batch):
-    fn = losses.get(name)
-    want = jax.jit(_value_and_grad(fn, hp))(*batch)
-    split = [a.reshape(NDEV, B // NDEV, *a.shape[1:]) for a in batch]
+def _pmapped(fn, hp, batch):
     value, metrics, grad = jax.pmap(_value_and_grad(fn, hp, axis_name="data"), axis_name="data")(
-        *split
+        *_split(*batch)
     )
     # Every device holds the global loss and metrics.
-    for dev in range(NDEV):
-        np.testing.assert_allclose(value[dev], want[0], rtol=1e-5, atol=1e-7)
-        for k in want[1]:
-            np.testing.assert_allclose(metrics[k][dev], want[1][k], rtol=1e-5, atol=1e-7, err_msg=k)
+    chex.assert_shape(value, (NDEV,))
+    chex.assert_trees_all_close(
+        *(jax.tree.map(operator.itemgetter(d), (value, metrics)) for d in range(NDEV))
+    )
     # pmap transposes psum to psum: per-device input gradients carry a factor NDEV (documented).
-    np.testing.assert_allclose(grad.reshape(B, T) / NDEV, want[2], rtol=1e-5, atol=1e-8)
+    return value[0], jax.tree.map(lambda x: x[0], metrics), grad.reshape(B, T) / NDEV
+
+
+def _run(variant, fn, hp, batch, mesh):
+    if variant == "eager":
+        return _value_and_grad(fn, hp)(*batch)
+    if variant == "jit":
+        return jax.jit(_value_and_grad(fn, hp))(*batch)
+    if variant == "shard_map":
+        return _sharded(fn, hp, mesh)(*_put(mesh, *batch))
+    return _pmapped(fn, hp, batch)
+
+
+@functools.cache
+def _eager_metrics(name):
+    fn, hp = losses.get(name), dict(OBJECTIVES)[name]
+    return jax.tree.map(np.asarray, dict(_value_and_grad(fn, hp)(*_make_batch())[1]))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name,hp", OBJECTIVES, ids=[n for n, _ in OBJECTIVES])
+def test_every_way_of_running_gives_the_unsharded_batch(name, hp, variant, mesh, batch):
+    value, metrics, grad = _run(variant, losses.get(name), hp, batch, mesh)
+    metrics = dict(metrics)
+    chex.assert_shape(value, ())
+    chex.assert_shape(list(metrics.values()), ())  # every metric a scalar
+    chex.assert_shape(grad, (B, T))
+    chex.assert_type([value, *metrics.values(), grad], jnp.float32)
+    chex.assert_tree_all_finite((value, metrics, grad))  # the inf padding stays out
+    logp, beh, adv, mask = batch
+    clean = np.where(mask, logp, 0.0)
+    want = ref.loss(name, clean, beh, adv, mask, **hp)
+    want_grad = ref.grad(name, clean, beh, adv, mask, **hp)
+    chex.assert_trees_all_close(value, np.float32(want), rtol=2e-5, atol=1e-6)
+    chex.assert_trees_all_close(grad, want_grad.astype(np.float32), rtol=2e-4, atol=2e-6)
+    chex.assert_trees_all_close(metrics, _eager_metrics(name), rtol=1e-5, atol=1e-7)
+    if "sat/q" in metrics:  # the global quantile is exact, not approximately equal
+        chex.assert_trees_all_equal(metrics["sat/q"], _eager_metrics(name)["sat/q"])
 
 
 def test_mismatch_metrics_sharded(mesh, batch):
@@ -121,12 +153,10 @@ def test_mismatch_metrics_sharded(mesh, batch):
         )
     )
     got = f(*_put(mesh, logp, beh, mask))
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
-    split = [a.reshape(NDEV, B // NDEV, T) for a in (logp, beh, mask)]
-    got = jax.pmap(functools.partial(losses.mismatch_metrics, axis_name="d"), axis_name="d")(*split)
-    for k in want:
-        np.testing.assert_allclose(got[k][3], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    chex.assert_trees_all_close(dict(got), dict(want), rtol=1e-5, atol=1e-7)
+    pmapped = functools.partial(losses.mismatch_metrics, axis_name="d")
+    got = jax.pmap(pmapped, axis_name="d")(*_split(logp, beh, mask))
+    chex.assert_trees_all_close({k: v[3] for k, v in got.items()}, dict(want), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("method", ["radix", "bisect"])
@@ -143,7 +173,7 @@ def test_quantile_sharded_is_exact(method, mesh):
         )
     )
     got = f(*_put(mesh, x, mask))
-    assert float(got) == float(losses.quantile(x, mask, 0.9, method=method))
+    chex.assert_trees_all_equal(got, losses.quantile(x, mask, 0.9, method=method))
 
 
 def test_parameter_gradients_shard_map_and_pmap(mesh, batch):
@@ -167,14 +197,14 @@ def test_parameter_gradients_shard_map_and_pmap(mesh, batch):
             out_specs=P(),
         )
     )
-    np.testing.assert_allclose(sm(w, *_put(mesh, feats, beh, adv, mask)), want, rtol=1e-5)
-    split = [a.reshape(NDEV, B // NDEV, *a.shape[1:]) for a in (feats, beh, adv, mask)]
+    chex.assert_trees_all_close(sm(w, *_put(mesh, feats, beh, adv, mask)), want, rtol=1e-5)
+    split = _split(feats, beh, adv, mask)
     pm = jax.pmap(
         lambda w, *a: jax.lax.pmean(jax.grad(loss)(w, *a, axis_name="data"), "data"),
         axis_name="data",
         in_axes=(None, 0, 0, 0, 0),
     )
-    np.testing.assert_allclose(pm(w, *split)[0], want, rtol=1e-5)
+    chex.assert_trees_all_close(pm(w, *split)[0], want, rtol=1e-5)
 
 
 def _collective_shapes(hlo: str) -> list[str]:

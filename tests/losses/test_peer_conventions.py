@@ -20,6 +20,7 @@ large log-ratios where the convention is about them.
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,8 +205,8 @@ def _clean(logp, mask):
 
 
 def _close(got, want, rtol=1e-5, atol=1e-6):
-    np.testing.assert_allclose(got[0], want[0], rtol=rtol, atol=atol)
-    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=atol)
+    chex.assert_trees_all_close(got[0], want[0], rtol=rtol, atol=atol)
+    chex.assert_trees_all_close(got[1], want[1], rtol=1e-4, atol=atol)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,10 +275,10 @@ def test_dr_grpo_stated_differences():
     s = peer_ppo(_clean(logp, mask), None, beh, adv, mask, 0.2, 0.2, None)
     ours_v = float(losses.aggregate(s, mask, "seq-mean-token-sum-norm"))
     rows = (mask.sum(1) > 0).sum()
-    np.testing.assert_allclose(
+    chex.assert_trees_all_close(
         ours_v, verl_agg_late(s, mask, "seq-mean-token-sum-norm") * rows / B, rtol=1e-6
     )
-    np.testing.assert_allclose(
+    chex.assert_trees_all_close(
         ours_v * T, tunix_agg(s, mask, "sequence-mean-token-sum-norm"), rtol=1e-6
     )
     assert rows < B  # the difference is real on this batch
@@ -293,7 +294,7 @@ def _extreme_gspo_batch(per_token_adv):
     row whose mean is below the cap although one token is at +9.5."""
     logp, beh, adv, mask = _batch(2, per_token_adv, scale=0.05)
     shift = np.zeros((B, T), np.float32)
-    shift[3, 0] = 12.0  # the issue's one-token row
+    shift[3, 0] = 12.0  # a one-token row above the cap
     mask[2, :3] = True  # row 2: three tokens at 10, 11, 12 (mean 11 > cap)
     shift[2, :3] = [10.0, 11.0, 12.0]
     shift[4, 0] = 9.5
@@ -375,21 +376,19 @@ def test_verl_averages_unclamped_tokens():
         eps_high=0.2,
         aggregation="seq-mean-token-mean",
     )[0]
-    np.testing.assert_allclose(got, tunix_v, rtol=1e-5)
+    chex.assert_trees_all_close(got, tunix_v, rtol=1e-5)
     assert abs(tunix_v - verl_v) > 1e-4
 
 
-def test_issue_one_token_row_hand():
-    """One one-token row at log r = 12, A = −1: the peers' loss is e^10, the uncapped one e^12.
-
-    (The issue's 5309.6 vs 39230.1 is this factor: 39230.1 / 5309.6 = 7.3886 ≈ e^2.)"""
+def test_one_token_row_above_the_cap_hand():
+    """One one-token row at log r = 12, A = −1: the peers' loss is e^10, the uncapped one e^12."""
     logp, beh, adv, mask = np.array([[12.0]]), np.array([[0.0]]), np.array([-1.0]), np.ones((1, 1))
     for fn in (losses.gspo, losses.gspo_token, losses.seqclip, losses.sat_gspo):
         kw = {"low": 0.0 + 1e-9, "high": 1e9} if fn is losses.seqclip else {}
         capped = fn(logp, beh, adv, mask, eps_low=0.2, eps_high=0.2, **kw)
         uncapped = fn(logp, beh, adv, mask, eps_low=0.2, eps_high=0.2, seq_log_ratio_cap=None, **kw)
-        np.testing.assert_allclose(capped.loss, math.exp(10.0), rtol=1e-6)
-        np.testing.assert_allclose(uncapped.loss, math.exp(12.0), rtol=1e-6)
+        chex.assert_trees_all_close(capped.loss, math.exp(10.0), rtol=1e-6)
+        chex.assert_trees_all_close(uncapped.loss, math.exp(12.0), rtol=1e-6)
         grad = jax.grad(
             lambda x, f=fn, k=kw: f(x, beh, adv, mask, eps_low=0.2, eps_high=0.2, **k).loss
         )(jnp.asarray(logp))
@@ -400,7 +399,7 @@ def test_issue_one_token_row_hand():
         mask.astype(bool),
         "seq-mean-token-mean",
     )
-    np.testing.assert_allclose(want, math.exp(10.0), rtol=1e-7)  # verl's token mean has n + 1e-8
+    chex.assert_trees_all_close(want, math.exp(10.0), rtol=1e-7)  # verl's token mean has n + 1e-8
 
 
 @pytest.mark.parametrize("name", ["gspo", "gspo_token", "sat_gspo", "seqclip"])
@@ -451,8 +450,8 @@ def test_gspo_token_gradient_equals_gspo(mode):
     kw = {"eps_low": 0.05, "eps_high": 0.05, "aggregation": mode}
     seq = ours(losses.gspo, logp, beh, adv, mask, **kw)
     tok = ours(losses.gspo_token, logp, beh, adv, mask, **kw)
-    np.testing.assert_allclose(tok[0], seq[0], rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(tok[1], seq[1], rtol=1e-5, atol=1e-8)
+    chex.assert_trees_all_close(tok[0], seq[0], rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(tok[1], seq[1], rtol=1e-5, atol=1e-8)
     assert np.abs(seq[1]).max() > 1e-3  # not a vacuous comparison of zeros
     # Per-token advantages: GSPO-token's gradient follows each token's own advantage; GSPO's not.
     adv_t = np.random.default_rng(5).normal(size=(B, T)).astype(np.float32)
@@ -498,12 +497,12 @@ def test_dppo_verl_variant_has_verls_gradient(divergence, delta, mode, per_token
         clean,
         mask,
     )
-    np.testing.assert_allclose(got[1], want_g, rtol=1e-4, atol=1e-6)
+    chex.assert_trees_all_close(got[1], want_g, rtol=1e-4, atol=1e-6)
     # Value: keep·min(r, 20)·A aggregated (verl reports −A·w·log π: same gradient, other value).
     keep = verl_dppo(np.ones_like(clean), clean, beh, adv, mask, delta, divergence) != 0
     w = np.minimum(np.exp(clean - beh), 20.0)
     a2 = _adv2d(adv, clean.shape)
-    np.testing.assert_allclose(
+    chex.assert_trees_all_close(
         got[0], -verl_agg_late(np.where(keep, w * a2, 0.0), mask, mode), rtol=1e-5, atol=1e-6
     )
     assert ((np.exp(clean - beh) > 20.0) & keep & mask).any() and not keep[mask].all()
@@ -518,8 +517,10 @@ def test_dppo_variants_differ_exactly_where_the_clip_binds():
         v: jax.grad(lambda x, v=v: losses.dppo(x, beh, adv, mask, delta=0.2, variant=v).loss)(logp)
         for v in ("paper", "verl")
     }
-    np.testing.assert_allclose(g["paper"], [[0.0, -0.5]], atol=1e-7)  # −r·A/2 on token 1 only
-    np.testing.assert_allclose(g["verl"], [[-(0.6 / 0.45) / 2, -0.5]], rtol=1e-5)
+    chex.assert_trees_all_close(
+        g["paper"], np.asarray([[0.0, -0.5]]), atol=1e-7
+    )  # −r·A/2 on token 1 only
+    chex.assert_trees_all_close(g["verl"], np.asarray([[-(0.6 / 0.45) / 2, -0.5]]), rtol=1e-5)
     # With δ below |π − μ| the token is masked in both, and both gradients vanish on it.
     for v in ("paper", "verl"):
         gm = jax.grad(lambda x, v=v: losses.dppo(x, beh, adv, mask, delta=0.1, variant=v).loss)(
@@ -545,10 +546,10 @@ def _engine_batch():
 
 def test_tis_and_icepop_weights_equal_verl_rollout_is():
     old, beh, mask = _engine_batch()
-    np.testing.assert_allclose(
+    chex.assert_trees_all_close(
         losses.tis(old, beh, mask, 2.0), verl_is_weights(old, beh, mask, 2.0), rtol=1e-6
     )
-    np.testing.assert_allclose(
+    chex.assert_trees_all_close(
         losses.icepop(old, beh, mask, 0.5, 5.0),
         verl_is_weights(old, beh, mask, (0.5, 5.0)),
         rtol=1e-6,
@@ -584,7 +585,7 @@ def test_verl_rejection_leaves_the_denominator_icepop_weights_do_not():
     )
     _close(rs, want)
     weighted = ours(losses.ppo, logp, beh, adv, mask, token_weights=binary)
-    np.testing.assert_allclose(weighted[0] * mask.sum(), rs[0] * keep.sum(), rtol=1e-5)
+    chex.assert_trees_all_close(weighted[0] * mask.sum(), rs[0] * keep.sum(), rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -649,9 +650,9 @@ def test_shard_map_equals_unsharded(name, hp):
     )
     sharding = jax.sharding.NamedSharding(mesh, P("data"))
     got = sharded(*(jax.device_put(x, sharding) for x in (logp, beh, adv, mask)))
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(got[0], want[0], rtol=1e-5, atol=1e-7)
     assert set(got[1]) == set(want[1])
     for k in want[1]:
-        np.testing.assert_allclose(got[1][k], want[1][k], rtol=1e-5, atol=1e-7, err_msg=k)
-    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-8)
+        chex.assert_trees_all_close(got[1][k], want[1][k], rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(got[2], want[2], rtol=1e-5, atol=1e-8)
     assert float(jnp.abs(want[2]).max()) > 0

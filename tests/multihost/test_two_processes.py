@@ -4,6 +4,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -35,22 +37,71 @@ def _env(devices: int) -> dict:
 
 
 def _run_processes(cmds_envs, timeout=420):
+    """Starts every command at once and waits for all of them under one deadline.
+
+    Each process writes to a file of its own (a full pipe would block it while another is waited
+    on). A process that exits non-zero stops the wait: the others, which would hang in their
+    collectives, are killed. The failure message holds the output of every process that failed,
+    was still running at the deadline or was stopped.
+    """
+    logs = [tempfile.TemporaryFile("w+") for _ in cmds_envs]
     procs = [
-        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for cmd, env in cmds_envs
+        subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        for (cmd, env), log in zip(cmds_envs, logs, strict=True)
     ]
-    outs = []
+    deadline = time.monotonic() + timeout
     try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outs.append(out)
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if None not in codes or any(c not in (None, 0) for c in codes):
+                break
+            time.sleep(0.1)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-4000:]
+        failed_first = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+        running = [i for i, p in enumerate(procs) if p.poll() is None]
+        for i in running:
+            procs[i].kill()
+            procs[i].wait()
+        outs = []
+        for log in logs:
+            log.seek(0)
+            outs.append(log.read())
+            log.close()
+    problems = []
+    for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        if i in running:
+            why = (
+                f"stopped after process {failed_first[0]} failed"
+                if failed_first
+                else f"still running at the {timeout} s deadline"
+            )
+        elif p.returncode != 0:
+            why = f"exited with status {p.returncode}"
+        else:
+            continue
+        problems.append(f"process {i} {why}; its output:\n{out[-4000:]}")
+    if problems:
+        raise AssertionError("\n\n".join(problems))
     return outs
+
+
+def test_the_wait_has_one_deadline_and_keeps_the_output():
+    hang = [sys.executable, "-c", "print('started', flush=True); import time; time.sleep(600)"]
+    with pytest.raises(AssertionError) as e:
+        _run_processes([(hang, None), (hang, None)], timeout=1)
+    message = str(e.value)
+    for i in range(2):
+        assert f"process {i} still running at the 1 s deadline; its output:\nstarted" in message
+
+
+def test_a_failed_process_stops_the_others():
+    fail = [sys.executable, "-c", "import sys; print('bad config'); sys.exit(3)"]
+    hang = [sys.executable, "-c", "print('waiting', flush=True); import time; time.sleep(600)"]
+    with pytest.raises(AssertionError) as e:
+        _run_processes([(fail, None), (hang, None)], timeout=300)
+    message = str(e.value)
+    assert "process 0 exited with status 3; its output:\nbad config" in message
+    assert "process 1 stopped after process 0 failed; its output:\nwaiting" in message
 
 
 def test_two_processes_match_one_process(tmp_path):

@@ -1,11 +1,12 @@
 """The warm-up cache (``sat_jax.rl.sft``): a second call with the same settings and code loads the
-first's parameters; a change of the code digest (model source, JAX version) trains again; a corrupt
-entry is rebuilt."""
+first's parameters; a change of the code digest (model source, JAX version) or of the corrupted
+share trains again; a corrupt entry is rebuilt."""
 
 import glob
 
 import jax
 import numpy as np
+import pytest
 
 from sat_jax.data.tasks import AdditionTask
 from sat_jax.data.tokenizer import CharTokenizer
@@ -13,7 +14,7 @@ from sat_jax.models import ModelConfig, init_model
 from sat_jax.rl import sft
 
 
-def _warmup(cache_dir, params, graphdef, tokenizer):
+def _warmup(cache_dir, params, graphdef, tokenizer, **kwargs):
     return sft.warmup(
         graphdef,
         params,
@@ -27,10 +28,11 @@ def _warmup(cache_dir, params, graphdef, tokenizer):
         response_width=3,
         cache_dir=str(cache_dir),
         cache_spec={"case": "test"},
+        **kwargs,
     )
 
 
-def test_cache_reuses_only_the_same_code(tmp_path, monkeypatch):
+def _model():
     tokenizer = CharTokenizer()
     cfg = ModelConfig.tiny(
         vocab_size=tokenizer.vocab_size,
@@ -43,6 +45,11 @@ def test_cache_reuses_only_the_same_code(tmp_path, monkeypatch):
         moe_intermediate_size=8,
     )
     graphdef, params = init_model(cfg, seed=0)
+    return tokenizer, graphdef, params
+
+
+def test_cache_reuses_only_the_same_code(tmp_path, monkeypatch):
+    tokenizer, graphdef, params = _model()
     assert len(sft.code_digest()) == 16 and sft.code_digest() == sft.code_digest()
 
     trained, info = _warmup(tmp_path, params, graphdef, tokenizer)
@@ -62,3 +69,18 @@ def test_cache_reuses_only_the_same_code(tmp_path, monkeypatch):
     rebuilt, info = _warmup(tmp_path, params, graphdef, tokenizer)
     assert info["sft/cached"] == 0.0
     jax.tree.map(np.testing.assert_array_equal, rebuilt, trained)  # same program, same result
+
+
+def test_corrupt_share_is_in_the_key(tmp_path):
+    tokenizer, graphdef, params = _model()
+    clean, info = _warmup(tmp_path, params, graphdef, tokenizer)
+    assert info["sft/cached"] == 0.0
+    corrupted, info = _warmup(tmp_path, params, graphdef, tokenizer, corrupt_share=0.5)
+    assert info["sft/cached"] == 0.0  # another warm-up, not the clean one's entry
+    assert len(glob.glob(str(tmp_path / "sft-*.npz"))) == 2
+    differs = jax.tree.map(lambda a, b: bool(np.any(a != b)), clean, corrupted)
+    assert any(jax.tree.leaves(differs))
+    _, info = _warmup(tmp_path, params, graphdef, tokenizer, corrupt_share=0.5)
+    assert info["sft/cached"] == 1.0
+    with pytest.raises(ValueError, match=r"corrupt_share must be in \[0, 1\], got -0.5"):
+        _warmup(tmp_path, params, graphdef, tokenizer, corrupt_share=-0.5)

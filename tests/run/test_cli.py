@@ -84,13 +84,31 @@ INVALID = [
     ("mesh.data=100", "mesh (data=100, fsdp=1, expert=1, tensor=1) needs 100 trainer devices"),
     ("mesh.fsdp=0", "mesh.fsdp must be a positive int"),
     ("loss.logprob_chunk=-1", "loss.logprob_chunk must be an int >= 0"),
+    ("rollout.temperature=inf", "rollout.temperature finite and > 0"),
+    ("optim.grad_clip=nan", "optim.grad_clip must be a finite number >= 0, got nan"),
+    ("optim.weight_decay=nan", "optim.weight_decay must be a finite number >= 0, got nan"),
+    ("optim.grad_clip=inf", "optim.grad_clip must be a finite number >= 0, got inf"),
+    ("sft.learning_rate=inf", "sft.learning_rate > 0"),
+    ("seed=-1", "seed must be an int in [0, 2**63), got -1"),
+    ("mesh.tensor=3", "mesh (data=2, fsdp=1, expert=1, tensor=3) does not fit the model: mesh"),
+    ("mesh.expert=3", "mesh axis 'expert' (3) of size 3 does not divide ModelConfig.hidden_size"),
+    (
+        "rollout.prompts_per_step=9752",
+        "prompts_per_step=9752: batch_size=9752 is larger than the source (9744 examples",
+    ),
+    ("data.chat_template=True", "data.chat_template=True needs a Hugging Face tokenizer"),
+    (
+        "loss.advantage=dr_grpo rollout.group_size=1",
+        "rollout.group_size=1 with loss.advantage='dr_grpo'",
+    ),
 ]
 
 
 @pytest.mark.parametrize("override,message", INVALID, ids=[o for o, _ in INVALID])
 def test_invalid_values_exit_2_before_compiling(override, message, capsys, tmp_path):
     _COMPILES.clear()
-    rc, out, err = run_cli(capsys, "train", f"--config.{override}", f"--workdir={tmp_path}/run")
+    overrides = [f"--config.{o}" for o in override.split(" ")]
+    rc, out, err = run_cli(capsys, "train", *overrides, f"--workdir={tmp_path}/run")
     assert rc == 2, (out, err)
     assert err.startswith("sat-jax: error: invalid config: "), err
     assert message in err, err
