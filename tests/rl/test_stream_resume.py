@@ -30,6 +30,17 @@ def _same_batch(a, b):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
 
 
+def _newest_checkpoint(config):
+    """(state, meta, step) of the newest checkpoint of ``config``'s run, as the learner saved it."""
+    with Checkpointer(f"{config.workdir}/checkpoints", read_only=True) as ckpt:
+        parts = learner.build(config)
+        state = trainer.init_train_state(
+            parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
+        )
+        target = learner._restore_target(state, parts.params, parts.params)
+        return ckpt.restore(target, unchecked=("stream",))
+
+
 def _record_batches(monkeypatch) -> list:
     """The batches the learner's stream source hands out, in order."""
     seen, real_next = [], StreamRollouts.next
@@ -96,14 +107,7 @@ def test_stream_run_resumed_trains_first_on_the_batches_it_had_queued(
     config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
     config.lag_mode, config.lag, config.num_steps = "stream", 2, 2
     learner.train(config, quiet=True)
-    with Checkpointer(tmp_path / "run" / "checkpoints", read_only=True) as ckpt:
-        meta = ckpt.read_meta()
-        parts = learner.build(config)
-        state = trainer.init_train_state(
-            parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
-        )
-        target = learner._restore_target(state, parts.params, parts.params)
-        saved, _, _ = ckpt.restore(target, unchecked=("stream",))
+    saved, meta, _ = _newest_checkpoint(config)
     queued = meta["stream"]["queued"]
     assert queued, "the worker ran ahead of the trainer"
     assert [q["index"] for q in queued] == list(range(2, 2 + len(queued)))
@@ -191,14 +195,7 @@ def test_stream_run_killed_and_resumed_loses_no_queued_batch(
     proc.wait(timeout=60)
     config = tiny(config_lib.get_config(), workdir, cache_dir)
     config.lag_mode, config.lag, config.checkpoint.every = "stream", 2, 2
-    with Checkpointer(workdir / "checkpoints", read_only=True) as ckpt:
-        step, meta = ckpt.latest_step(), ckpt.read_meta()
-        parts = learner.build(config)
-        state = trainer.init_train_state(
-            parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
-        )
-        target = learner._restore_target(state, parts.params, parts.params)
-        saved, _, _ = ckpt.restore(target, unchecked=("stream",))
+    saved, meta, step = _newest_checkpoint(config)
     queued = meta["stream"]["queued"]
     assert step >= 2 and queued and queued[0]["index"] == step
     seen = _record_batches(monkeypatch)
