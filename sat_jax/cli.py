@@ -265,15 +265,26 @@ def main(argv):
     from sat_jax.rl import learner
 
     if command == "eval":
-        result = learner.evaluate_run(config)
+        try:
+            result = learner.evaluate_run(config)
+        except (FileNotFoundError, learner.WorkdirNotShared) as e:
+            return _fail(str(e))
         if parallel.is_primary():
             print(json.dumps(result, indent=1))
         return 0
 
     try:
         summary = learner.train(config, max_steps=_MAX_STEPS.value)
-    except (learner.ResumeError, ConfigError) as e:  # ConfigError: data checked when built
+    except (
+        learner.ResumeError,
+        learner.WorkdirLocked,
+        learner.WorkdirNotShared,
+        ConfigError,  # data checked when built
+    ) as e:
         return _fail(str(e))
+    except learner.NonFiniteError as e:
+        print(f"sat-jax: error: {e}", file=sys.stderr)
+        return 1
     if parallel.is_primary():
         hist = summary["history"]
         first = hist[0]["train/reward_mean"] if hist else float("nan")
@@ -293,7 +304,9 @@ def main(argv):
                 indent=1,
             )
         )
-    return 130 if summary["interrupted"] else 0
+    if summary["interrupted"]:  # the shell's status for a process stopped by that signal
+        return 128 + (summary["signal"] or 2)
+    return 0
 
 
 def compare_grid(rest: list[str]) -> int:

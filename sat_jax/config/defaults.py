@@ -101,6 +101,9 @@ def get_config() -> ml_collections.ConfigDict:
     # × group_size) and decode steps between admissions / harvests (and stream-mode weight swaps).
     c.rollout.num_slots = 0
     c.rollout.harvest_every = 4
+    # Seconds the trainer waits for the stream worker's next batch before it fails (the first
+    # wait includes the worker's compilation).
+    c.rollout.stream_timeout_s = 600.0
 
     # Asynchrony (Section 4.4).
     c.lag_mode = "broadcast"  # fixed | broadcast | sampled | stream
@@ -154,8 +157,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.weight_decay = 0.0
     c.optim.warmup_steps = 0
     c.optim.schedule = "constant"  # constant | cosine
+    # Training steps the cosine schedule decays over, to a rate of 0; 0 = num_steps at the run's
+    # first start. The horizon is stored with the run: resuming with a larger num_steps keeps
+    # it (and is refused past it, where the rate is 0).
+    c.optim.decay_steps = 0
     c.optim.num_minibatches = 1
     c.optim.updates_per_batch = 1
+    # An update whose loss, gradient or step is NaN or infinite is not applied (logged as
+    # optim/nonfinite_updates); this many training steps in a row with one stop the run.
+    c.optim.max_nonfinite_steps = 3
 
     # Supervised warm-up to a weak base policy (cached by content hash).
     c.sft = ml_collections.ConfigDict()

@@ -48,6 +48,8 @@ RESUMABLE = (
     "eval.every",
     "mesh",
     "sft.cache_dir",
+    "optim.max_nonfinite_steps",
+    "rollout.stream_timeout_s",
 )
 
 _CORRECTION_OFF = "none"
@@ -194,6 +196,17 @@ def _check_optim(config) -> None:
         _fail(f"optim.schedule: {e}")
     if o.updates_per_batch < 1:
         _fail(f"optim.updates_per_batch must be >= 1, got {o.updates_per_batch}")
+    d = o.decay_steps
+    if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+        _fail(f"optim.decay_steps must be an int >= 0 (0: num_steps), got {d!r}")
+    if o.schedule == "cosine" and 0 < d < config.num_steps:
+        _fail(
+            f"optim.decay_steps={d} is below num_steps={config.num_steps}: the cosine "
+            "schedule's rate is 0 past its horizon"
+        )
+    n = o.max_nonfinite_steps
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        _fail(f"optim.max_nonfinite_steps must be an int >= 1, got {n!r}")
 
 
 def _check_data(config) -> None:
@@ -318,6 +331,9 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
             f"rollout.top_p must be in (0, 1] and rollout.temperature finite and > 0 (inf would "
             f"sample uniformly), got {r.top_p}, {r.temperature}"
         )
+    t = r.stream_timeout_s
+    if isinstance(t, bool) or not isinstance(t, int | float) or not (t > 0 and math.isfinite(t)):
+        _fail(f"rollout.stream_timeout_s must be a finite number of seconds > 0, got {t!r}")
     if r.top_k < 0 or r.stream_chunk < 1:
         _fail(
             f"rollout.top_k must be >= 0 and rollout.stream_chunk >= 1, got {r.top_k}, "
@@ -521,14 +537,24 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def changed_fields(stored: dict[str, Any], config) -> list[str]:
-    """``"key: stored -> new"`` for each field (outside :data:`RESUMABLE`) that differs."""
+    """``"key: stored -> new"`` for each field (outside :data:`RESUMABLE`) that differs. A field
+    the stored config lacks (added to the defaults after that run started) counts as unchanged
+    while the new config keeps its default."""
+    from sat_jax.config import defaults
+
     old, new = _flatten(stored), _flatten(plain(config))
+    default = _flatten(plain(defaults.get_config()))
 
     def resumable(key):
         return any(key == r or key.startswith(r + ".") for r in RESUMABLE)
 
+    def same(key):
+        if key not in old and key in default:
+            return new.get(key) == default[key]
+        return old.get(key) == new.get(key)
+
     return [
         f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}"
         for k in sorted(set(old) | set(new))
-        if not resumable(k) and old.get(k) != new.get(k)
+        if not resumable(k) and not same(k)
     ]

@@ -43,12 +43,15 @@ The numerics match ``transformers``' ``Qwen3MoeForCausalLM`` / ``Qwen3ForCausalL
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import itertools
 import json
 import math
 import os
 import re
+import shutil
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -503,9 +506,16 @@ def save_hf(
     Writes ``config.json`` (``config_to_hf(config, base=hf_config)``) and either
     ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` shards of at most
     ``max_shard_size`` bytes each (a single larger tensor gets a shard of its own) plus
-    ``model.safetensors.index.json``. Old weight files of those names in ``path`` are removed first
-    so a stale index cannot shadow the new shards. Host memory peaks at one shard plus one
-    parameter.
+    ``model.safetensors.index.json``. Host memory peaks at one shard plus one parameter.
+
+    Into an existing directory the new checkpoint is written beside it (a sibling directory that
+    also takes the directory's other files, e.g. the tokenizer's, as hard links or copies) and
+    then swapped in with one atomic exchange of the two directories (``renameat2`` with
+    ``RENAME_EXCHANGE``; where the file system lacks it, two renames, between which a crash
+    leaves the old checkpoint whole at ``.<name>.old-<pid>``). A failure while writing (disk
+    full, Ctrl-C) leaves the old checkpoint as it was; old weight files the new checkpoint does
+    not have (another shard count) go with the old directory, so no stale index can shadow
+    them.
 
     Args:
       path: output directory (created).
@@ -544,10 +554,30 @@ def save_hf(
         else "float32"
     )
 
-    path.mkdir(parents=True, exist_ok=True)
-    for old in path.iterdir():
-        if old.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_RE.match(old.name):
-            old.unlink()
+    final = path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path = final.parent / f".{final.name}.saving-{os.getpid()}"
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir()
+    try:
+        _write_hf(path, final, config, hf_config, torch_dtype, shards, out_dtype, total, save_file)
+        _swap_in(path, final)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return final
+
+
+def _write_hf(path, final, config, hf_config, torch_dtype, shards, out_dtype, total, save_file):
+    """Writes the checkpoint into the empty directory ``path``, with ``final``'s other files."""
+    if final.is_dir():
+        for old in final.iterdir():
+            weights = old.name in (SINGLE_FILE, INDEX_FILE, CONFIG_FILE) or _SHARD_RE.match(
+                old.name
+            )
+            if not weights:
+                _link_or_copy(old, path / old.name)
     with open(path / CONFIG_FILE, "w") as f:
         json.dump(
             config_to_hf(config, base=hf_config, torch_dtype=torch_dtype),
@@ -578,4 +608,50 @@ def save_hf(
     if n_shards > 1:
         with open(path / INDEX_FILE, "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    return path
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    if src.is_dir():
+        shutil.copytree(src, dst, copy_function=_link_or_copy_file)
+    else:
+        _link_or_copy_file(src, dst)
+
+
+def _link_or_copy_file(src, dst) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a file system without hard links
+        shutil.copy2(src, dst)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps two paths (Linux ``renameat2``); False where it is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE): {os.strerror(err)}")
+
+
+def _swap_in(new: Path, final: Path) -> None:
+    """Puts the directory ``new`` at ``final``; the old ``final``, if any, is deleted."""
+    if not final.exists():
+        os.rename(new, final)
+        return
+    if _exchange(new, final):
+        shutil.rmtree(new)  # now the old checkpoint
+        return
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    os.rename(final, old)
+    os.rename(new, final)
+    shutil.rmtree(old)

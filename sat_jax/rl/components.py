@@ -188,7 +188,7 @@ def build(config, log=lambda msg: None) -> Components:
         advantage=config.loss.advantage,
         prompt_format=user_prompt if config.data.chat_template else None,
     )
-    total = config.num_steps * config.optim.updates_per_batch * config.optim.num_minibatches
+    total = schedule_updates(config)
     optimizer = trainer.make_optimizer(
         config.optim.learning_rate,
         b1=config.optim.b1,
@@ -216,6 +216,14 @@ def build(config, log=lambda msg: None) -> Components:
     )
 
 
+def schedule_updates(config) -> int:
+    """Optimizer updates the learning-rate schedule spans: ``optim.decay_steps`` training steps
+    (``num_steps`` when 0; a resumed run passes the horizon of its first start) times the
+    updates of each step."""
+    o = config.optim
+    return (o.decay_steps or config.num_steps) * o.updates_per_batch * o.num_minibatches
+
+
 #: Whether :func:`shared_train_step` reuses jitted steps across runs of one process. Off by
 #: default (each run builds, and so compiles, its own step); ``sat-jax compare --grid`` turns it on
 #: for the runs of a grid (``--share_compilation``).
@@ -233,7 +241,7 @@ def train_step_key(config, parts: Components, *, donate: bool = True) -> tuple:
     # Every optimizer field (a field added later is in the key without anyone remembering to
     # add it here), and the update count where the schedule reads it (constant ones do not).
     o = config.optim
-    total = config.num_steps * o.updates_per_batch * o.num_minibatches
+    total = schedule_updates(config)
     optim = (
         tuple(sorted((k, repr(v)) for k, v in o.to_dict().items())),
         None if o.schedule == "constant" else total,

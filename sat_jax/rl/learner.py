@@ -7,7 +7,13 @@ The loop (:func:`train`) only reads the next batch, steps, publishes the new ver
 hooks; which version samples which batch and which versions stay in memory is the rollout
 source's business (``sat_jax.rl.rollout_sources``), building the components is
 ``sat_jax.rl.components``,
-Ctrl-C and timers are ``sat_jax.rl.controls``.
+stop signals, the non-finite-update guard and timers are ``sat_jax.rl.controls``.
+
+Safety: one process trains in a workdir at a time (``sat_jax.run.lock``); SIGINT and SIGTERM
+save a checkpoint and stop, on every host after the same step; an update with a non-finite loss
+or gradient is not applied, and ``optim.max_nonfinite_steps`` such steps in a row stop the run
+(:class:`NonFiniteError`); no checkpoint is written with a non-finite value, and a restored one
+is checked (``sat_jax.run.checkpoint``).
 
 Reproducibility: randomness comes from named streams of the seed (``sat_jax.rl.rng``), the prompt
 iterator, optimizer state and snapshot store are checkpointed, so in the ``fixed`` and
@@ -33,20 +39,25 @@ from sat_jax.config.validation import changed_fields, loss_spec, plain, validate
 from sat_jax.data import PromptIterator
 from sat_jax.rl import rng, trainer
 from sat_jax.rl.components import Components, build, build_sources, shared_train_step
-from sat_jax.rl.controls import StopFlag, Timer
+from sat_jax.rl.controls import NonFiniteError, NonFiniteGuard, StopFlag, Timer
 from sat_jax.rl.lag import LagSchedule, lag_stats
 from sat_jax.rl.rollout import batch_stats, evaluate
 from sat_jax.rl.rollout_sources import Rollout, RolloutSource, ScheduledRollouts
 from sat_jax.rl.stream import StreamRollouts
 from sat_jax.run import workdir as workdir_lib
 from sat_jax.run.checkpoint import Checkpointer
-from sat_jax.run.metrics import METRICS_FILE, RunLogger
+from sat_jax.run.lock import WorkdirLock, WorkdirLocked
+from sat_jax.run.metrics import RunLogger
 from sat_jax.run.plots import plot_run
 from sat_jax.run.progress import Progress
+from sat_jax.run.workdir import WorkdirNotShared
 
 __all__ = [
     "Components",
+    "NonFiniteError",
     "ResumeError",
+    "WorkdirLocked",
+    "WorkdirNotShared",
     "build",
     "build_sources",
     "evaluate_run",
@@ -56,7 +67,11 @@ __all__ = [
 ]
 
 # Run outputs moved aside when a run starts over in the same workdir.
-_OUTPUTS = (METRICS_FILE, "config.json", "config.yaml", "tensorboard", "plots")
+_OUTPUTS = workdir_lib.LOG_OUTPUTS
+
+
+# Checkpointed rollout data, not weights: its support cut-offs are -inf where nothing was cut.
+_DATA = ("stream",)
 
 
 class ResumeError(ValueError):
@@ -76,6 +91,7 @@ def make_source(config, parts: Components, prompts, *, first_step: int) -> Rollo
             queue_size=max(1, config.lag),
             chunk=config.rollout.stream_chunk,
             first_index=first_step,
+            timeout=config.rollout.stream_timeout_s,
             **common,
         )
     schedule = LagSchedule(config.lag_mode, config.lag, config.lag_dist, config.lag_cap)
@@ -96,27 +112,52 @@ def _eval(config, parts: Components, params, step: int) -> dict[str, float]:
 
 def _restore_target(state, params, ref_params):
     def target(meta):
-        return {
+        out = {
             "state": state._asdict(),
             "store": {str(v): params for v in meta["store_versions"]},
             "ref": ref_params,
         }
+        if meta.get("stream", {}).get("queued"):  # stream mode's finished, untrained batches
+            out["stream"] = StreamRollouts.checkpoint_target(meta["stream"])
+        return out
 
     return target
 
 
 def evaluate_run(config) -> dict[str, Any]:
     """Held-out evaluation of the latest valid checkpoint of ``config``'s run directory; equal to
-    the in-training evaluation at that step."""
+    the in-training evaluation at that step.
+
+    The checkpoints are opened read-only: nothing in the run directory is created, moved or
+    cleaned, so a run may be evaluated while it trains.
+
+    Raises:
+      FileNotFoundError: the run directory holds no checkpoint (checked before anything is
+        built).
+      WorkdirNotShared: the processes of a multi-host run see different checkpoints.
+    """
     workdir, ckpt_dir = workdir_lib.run_paths(config)
-    parts = build(config)
-    state = trainer.init_train_state(
-        parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
-    )
-    with Checkpointer(ckpt_dir) as ckpt:
-        if ckpt.latest_step() is None:
-            raise FileNotFoundError(f"no checkpoint in {workdir}")
-        restored, _, step = ckpt.restore(_restore_target(state, parts.params, parts.params))
+    found = epath.Path(ckpt_dir).is_dir()
+    with Checkpointer(ckpt_dir, read_only=True) if found else contextlib.nullcontext() as ckpt:
+        latest = None if ckpt is None else ckpt.latest_step()
+        # The restore below is collective: every process must find the same newest step.
+        workdir_lib.check_same_on_every_host(
+            -2 if ckpt is None else -1 if latest is None else latest,
+            f"newest checkpoint in {ckpt_dir}",
+        )
+        if ckpt is None:
+            raise FileNotFoundError(
+                f"no checkpoints in {workdir} ({ckpt_dir} does not exist): is it a run directory?"
+            )
+        if latest is None:
+            raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
+        parts = build(config)
+        state = trainer.init_train_state(
+            parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
+        )
+        restored, _, step = ckpt.restore(
+            _restore_target(state, parts.params, parts.params), unchecked=_DATA
+        )
     return {
         "workdir": workdir,
         "step": step,
@@ -124,8 +165,9 @@ def evaluate_run(config) -> dict[str, Any]:
     }
 
 
-def _start_over(workdir: str, ckpt_dir: str, log) -> None:
-    """Moves an earlier run's checkpoints and outputs to ``<workdir>/replaced-<time>/``."""
+def _start_over(workdir: str, ckpt_dir: str, log, url: str | None = None) -> None:
+    """Moves an earlier run's checkpoints and outputs to ``<workdir>/replaced-<time>/`` (and,
+    for a URL workdir, the outputs kept there to ``<url>/replaced-<time>/``)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if parallel.is_primary():
         ckpt = epath.Path(ckpt_dir)
@@ -146,6 +188,11 @@ def _start_over(workdir: str, ckpt_dir: str, log) -> None:
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
                 shutil.move(path, dest)
                 moved.append(dest)
+            if url is not None and (workdir_lib.remote(url) / name).exists():
+                dest = workdir_lib.remote(url) / f"replaced-{stamp}" / name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                (workdir_lib.remote(url) / name).rename(dest)
+                moved.append(str(dest))
         if moved:
             log(
                 f"resume=False: moved the earlier run in {workdir} aside ({len(moved)} items "
@@ -172,15 +219,36 @@ def _check_resumable(config, ckpt: Checkpointer, workdir: str) -> int | None:
     return int(meta.get("step", ckpt.latest_step()))
 
 
+def _schedule_horizon(config, ckpt: Checkpointer | None) -> int:
+    """Training steps the learning-rate schedule spans: ``optim.decay_steps``, else
+    ``num_steps`` at the run's first start (stored in every checkpoint; ``ckpt`` when
+    resuming)."""
+    if config.optim.decay_steps:
+        return int(config.optim.decay_steps)
+    if ckpt is None:
+        return int(config.num_steps)
+    meta = ckpt.read_meta()
+    return int(meta.get("schedule_steps") or meta["config"]["num_steps"])
+
+
+def _with_horizon(config, horizon: int):
+    """``config`` with ``optim.decay_steps`` set to the run's horizon (what the optimizer is
+    built from; the stored config keeps the user's value)."""
+    config = config.copy_and_resolve_references()
+    config.optim.decay_steps = horizon
+    return config
+
+
 class _Session:
     """One training session: the run's parts, state, rollout source, logs and checkpoints."""
 
-    def __init__(self, config, *, max_steps, quiet, ckpt, workdir, log):
+    def __init__(self, config, *, max_steps, quiet, ckpt, workdir, log, horizon, url=None):
         self.config, self.ckpt, self.workdir, self.log = config, ckpt, workdir, log
+        self.horizon, self.url = horizon, url
         self.primary = parallel.is_primary()
-        self.parts = parts = build(config, log)
+        self.parts = parts = build(_with_horizon(config, horizon), log)
         # Reused from an earlier run of this process with the same program (a study's grid).
-        self.train_step = shared_train_step(config, parts, donate=True)
+        self.train_step = shared_train_step(_with_horizon(config, horizon), parts, donate=True)
         self.ref_params = parts.params
         # Every leaf on the mesh in the layout the step returns (optimizer state created sharded,
         # step counter replicated): an uncommitted input at step 1 would make step 2 a cache miss.
@@ -199,15 +267,19 @@ class _Session:
         restored = None
         if config.resume and ckpt.latest_step() is not None:
             restored, meta, self.start = ckpt.restore(
-                _restore_target(self.state, parts.params, self.ref_params)
+                _restore_target(self.state, parts.params, self.ref_params), unchecked=_DATA
             )
             self.iterator.restore(meta["iterator"])
         self.source = make_source(config, parts, self.iterator, first_step=self.start)
         if restored is not None:
             self.state = trainer.TrainState(**restored["state"])
             self.source.store.load(restored["store"])
+            if "stream" in meta and isinstance(self.source, StreamRollouts):
+                self.source.restore(restored.get("stream", {}), meta["stream"])
             self.ref_params = restored["ref"]
-            log(f"resumed from {workdir} at step {self.start}")
+            log(f"resumed from {url or workdir} at step {self.start}")
+            if url is not None and self.primary:  # the logs as the run's checkpoints left them
+                workdir_lib.download_logs(url, workdir)
         else:
             self.source.publish(0, parts.params)
         # Rows after the restored step are logged again; a fresh start drops every old row.
@@ -227,6 +299,7 @@ class _Session:
             self.end, is_primary=self.primary and config.log.progress and not quiet
         )
         self.timer = Timer()
+        self.nonfinite = NonFiniteGuard(config.optim.max_nonfinite_steps)
         self.history: list[dict[str, float]] = []
         self.eval_result = None
 
@@ -236,13 +309,25 @@ class _Session:
         if self.parts.spec.needs_ref:
             extra["ref"] = self.ref_params
         o = self.config.optim
+        skipped = 0.0  # updates the step refused (non-finite), summed on device
         for _ in range(o.updates_per_batch):
             for mb in rollout.batch.minibatches(o.num_minibatches):
                 share = trainer.shares_prompt(mb, self.parts.spec, self.config.data.max_prompt_len)
                 self.state, metrics = self.train_step(
                     self.state, mb.shard(self.parts.mesh), extra, share=share
                 )
+                skipped = skipped + metrics["optim/nonfinite"]
+        metrics = dict(metrics, **{"optim/nonfinite_updates": skipped})
         return {k: float(v) for k, v in parallel.to_host(metrics).items()}
+
+    def check_finite(self, step: int, train: dict[str, float]) -> None:
+        """Warns about refused updates; raises ``NonFiniteError`` after too many in a row."""
+        o = self.config.optim
+        warning = self.nonfinite.check(
+            step + 1, int(train["optim/nonfinite_updates"]), o.updates_per_batch * o.num_minibatches
+        )
+        if warning:
+            self.log(warning)
 
     def record(
         self, step: int, rollout: Rollout, train: dict[str, float], train_s: float, step_s: float
@@ -295,23 +380,38 @@ class _Session:
     def save(self, step: int) -> None:
         if step in self.ckpt.all_steps():
             return
+        state = {"state": self.state._asdict(), "ref": self.ref_params}
+        meta = {
+            "step": step,
+            "iterator": self.iterator.state(),
+            "config": plain(self.config),
+            "schedule_steps": self.horizon,
+        }
+        if isinstance(self.source, StreamRollouts):
+            # The worker has drawn prompts ahead: the position saved is the one its unfinished
+            # batch drew from, and its finished batches are saved with the versions they need.
+            # Host batches differ per process, and orbax writes host arrays from the primary
+            # only: a multi-host run saves none (each counted as discarded, drawn again).
+            arrays, meta["stream"] = self.source.checkpoint(batches=jax.process_count() == 1)
+            meta["iterator"] = meta["stream"].pop("iterator")
+            if arrays:
+                state["stream"] = arrays
         store = self.source.store
-        self.ckpt.save(
-            step,
-            {"state": self.state._asdict(), "store": store.state(), "ref": self.ref_params},
-            {
-                "step": step,
-                "iterator": self.iterator.state(),
-                "store_versions": store.versions(),
-                "config": plain(self.config),
-            },
-            force=True,
-        )
+        state["store"], meta["store_versions"] = store.state(), store.versions()
+        self.ckpt.save(step, state, meta, force=True, unchecked=_DATA)
+        self.upload_logs()
+
+    def upload_logs(self) -> None:
+        """Copies the logs into a URL workdir, beside its checkpoints."""
+        if self.url is not None and self.primary:
+            self.logger.flush()
+            workdir_lib.upload_logs(self.workdir, self.url)
 
     def close(self) -> None:
         self.source.close()
         self.progress.close()
         self.ckpt.wait()
+        self.upload_logs()
         self.logger.close()
 
 
@@ -320,24 +420,42 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
 
     Raises:
       ConfigError: ``config`` is impossible (before any compute).
+      WorkdirLocked: another live process trains in the workdir (before any compute).
+      WorkdirNotShared: a multi-host run's local workdir is not shared by its hosts.
       ResumeError: the workdir holds a run with another config and ``config.resume`` is set.
+      NonFiniteError: ``config.optim.max_nonfinite_steps`` steps in a row had a non-finite loss
+        or gradient (none of their updates was applied or saved).
     """
     validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
     workdir, ckpt_dir = workdir_lib.run_paths(config)
+    url = workdir_lib.run_dir(config) if workdir_lib.is_url(workdir_lib.run_dir(config)) else None
+    workdir_lib.check_shared(workdir if url is None else url)
+    with WorkdirLock(url or workdir, "train"):
+        return _train(config, workdir, ckpt_dir, url=url, max_steps=max_steps, quiet=quiet)
+
+
+def _train(config, workdir: str, ckpt_dir: str, *, url, max_steps, quiet) -> dict[str, Any]:
     log = (
         (lambda msg: None)
         if (quiet or not parallel.is_primary())
         else (lambda msg: print(msg, flush=True))
     )
     if not config.resume:
-        _start_over(workdir, ckpt_dir, log)
+        _start_over(workdir, ckpt_dir, log, url)
     with Checkpointer(ckpt_dir, max_to_keep=config.checkpoint.max_to_keep) as ckpt:
         resumed = _check_resumable(config, ckpt, workdir)
+        horizon = _schedule_horizon(config, ckpt if resumed is not None else None)
+        cosine = config.optim.schedule == "cosine"
         if resumed is not None and resumed >= config.num_steps:
+            more = (
+                f"its cosine schedule decays to 0 at step {horizon} (optim.decay_steps), which "
+                "resuming keeps, so continue past it in a new run"
+                if cosine
+                else "raise --config.num_steps to continue it"
+            )
             log(
                 f"the run in {workdir} is finished (step {resumed} of num_steps="
-                f"{config.num_steps}); raise --config.num_steps to continue it, or start over "
-                "with --config.resume=False"
+                f"{config.num_steps}); {more}, or start over with --config.resume=False"
             )
             return {
                 "workdir": workdir,
@@ -345,6 +463,7 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
                 "end_step": resumed,
                 "finished": True,
                 "interrupted": False,
+                "signal": None,
                 "wall_seconds": 0.0,
                 "compiled_seconds": 0.0,
                 "outside_compiled_share": 0.0,
@@ -352,13 +471,30 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
                 "final_eval": None,
                 "state": None,
             }
-        s = _Session(config, max_steps=max_steps, quiet=quiet, ckpt=ckpt, workdir=workdir, log=log)
+        if resumed is not None and cosine and config.num_steps > horizon:
+            raise ResumeError(
+                f"num_steps={config.num_steps} runs past the cosine schedule's horizon of "
+                f"{horizon} steps in {workdir} (optim.decay_steps; num_steps at the run's first "
+                "start when 0), where the rate is 0: resuming keeps the horizon. Start a new "
+                "run (another --workdir, or --config.resume=False) with the longer horizon"
+            )
+        s = _Session(
+            config,
+            max_steps=max_steps,
+            quiet=quiet,
+            ckpt=ckpt,
+            workdir=workdir,
+            log=log,
+            horizon=horizon,
+            url=url,
+        )
         interrupted = False
+        stop = StopFlag()
         try:
             if s.start == 0 and config.eval.every:
                 s.evaluate(0)
             s.source.start()
-            with StopFlag() as stop:
+            with stop:
                 for step in range(s.start, s.end):
                     t0 = time.perf_counter()
                     rollout = s.source.next(step)
@@ -369,8 +505,9 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
                     train_s = time.perf_counter() - t1
                     s.source.publish(step + 1, s.state.params)
                     s.record(step, rollout, train_metrics, train_s, time.perf_counter() - t0)
+                    s.check_finite(step, train_metrics)
                     s.hooks(step + 1)
-                    if stop.requested:
+                    if stop.agreed():
                         interrupted = True
                         s.save(step + 1)
                         log(f"interrupted: checkpoint saved at step {step + 1} in {workdir}")
@@ -383,12 +520,14 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
     if s.primary and config.log.plots and not interrupted:
         with contextlib.suppress(Exception):
             plot_run(workdir)
+        s.upload_logs()
     return {
         "workdir": workdir,
         "start_step": s.start,
         "end_step": s.start + len(s.history),
         "finished": False,
         "interrupted": interrupted,
+        "signal": stop.signum if interrupted else None,
         "wall_seconds": wall,
         "compiled_seconds": s.timer.compiled,
         "outside_compiled_share": 1.0 - s.timer.compiled / wall if wall > 0 else 0.0,

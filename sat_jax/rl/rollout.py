@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,8 @@ from sat_jax.rl.batch import RolloutBatch
 from sat_jax.sampling import ContinuousSampler, DecodeState, SampleOutput, Sampler, SamplingParams
 
 Example = dict[str, Any]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -81,6 +84,15 @@ class RolloutEngine:
         rewards = np.array(
             [self.reward_fn(texts[i], examples[i // g]) for i in range(len(texts))], np.float32
         )
+        for i in np.flatnonzero(~np.isfinite(rewards)):
+            # Its group's advantages are then non-finite too, and the trainer step skips the
+            # update; the warning says which example and completion produced it.
+            _log.warning(
+                "non-finite reward %s for completion %r of example %r",
+                rewards[i],
+                texts[i],
+                examples[i // g],
+            )
         adv = np.asarray(advantage_lib.get(self.advantage)(rewards.reshape(-1, g))).reshape(-1)
         return RolloutBatch.from_sample(out, adv, rewards)
 
@@ -97,6 +109,7 @@ def batch_stats(batch: RolloutBatch, group_size: int) -> dict[str, float]:
         "train/zero_variance_groups": float((groups.std(axis=1) == 0).mean()),
         "train/response_len": float(mask.sum(axis=1).mean()),
         "train/tokens": float(mask.sum()),
+        "train/nonfinite_rewards": float((~np.isfinite(rewards)).sum()),
     }
 
 

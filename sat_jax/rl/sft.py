@@ -102,6 +102,9 @@ def _load(path: str, template):
         a.shape != b.shape for a, b in zip(leaves, t_leaves, strict=True)
     ):
         raise ValueError(f"cached warm-up {path} does not match the model")
+    bad = [i for i, x in enumerate(leaves) if not np.isfinite(x).all()]
+    if bad:
+        raise ValueError(f"cached warm-up {path} holds NaN or infinity (arrays {bad})")
     return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in leaves])
 
 
@@ -181,6 +184,11 @@ def warmup(
         )
         params, opt_state, loss = step(params, opt_state, tokens, input_mask, response_mask)
     info = {"sft/final_loss": float(loss), "sft/cached": 0.0}
+    if not all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(params)):
+        raise ValueError(
+            f"the supervised warm-up diverged (final loss {float(loss)}): its parameters hold "
+            f"NaN or infinity; lower sft.learning_rate={learning_rate}"
+        )
     if path:
         _save(path, params)
     return params, info

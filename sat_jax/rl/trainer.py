@@ -109,8 +109,10 @@ def make_optimizer(
             else learning_rate
         )
     elif schedule == "cosine":
+        # optax needs at least one decay step after the (at least one) warm-up step.
+        warmup = max(warmup_steps, 1)
         lr = optax.warmup_cosine_decay_schedule(
-            0.0, learning_rate, max(warmup_steps, 1), max(total_steps, warmup_steps + 1)
+            0.0, learning_rate, warmup, max(total_steps, warmup + 1)
         )
     else:
         raise ValueError(f"schedule must be constant|cosine, got {schedule!r}")
@@ -300,6 +302,10 @@ def make_train_step(
     ``extra`` is a dict with ``"old"`` (behaviour-version parameters, when the spec needs a
     recompute) and ``"ref"`` (reference parameters, when ``kl_coef > 0``).
 
+    Non-finite updates: when the loss, the gradient's norm or the update's norm is not finite,
+    the step returns the input parameters, optimizer state and count unchanged, with
+    ``metrics["optim/nonfinite"] = 1`` (0 otherwise).
+
     Donation: with ``donate`` the optimizer state's buffers are donated (updated in place, no
     second copy of the moments at the step's peak); the caller must then not reuse the input
     state's optimizer state (the learner does not: it replaces the state by the step's output,
@@ -372,14 +378,24 @@ def make_train_step(
             metrics["loss/total"] = loss
             return loss, metrics
 
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         grads = _constrain(grads, shardings)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = _constrain(optax.apply_updates(params, updates), shardings)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
+        # An update with a non-finite loss, gradient or step is not applied: parameters,
+        # optimizer state and count stay as they were (the learner counts such steps).
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+
+        def keep(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+        params = _constrain(keep(optax.apply_updates(params, updates), params), shardings)
+        opt_state = keep(new_opt_state, opt_state)
         opt_state = _constrain(opt_state, opt_state_shardings(optimizer, opt_state, shardings))
-        metrics["optim/grad_norm"] = optax.tree.norm(grads)
-        metrics["optim/update_norm"] = optax.tree.norm(updates)
-        return params, opt_state, count + 1, metrics
+        metrics["optim/grad_norm"] = grad_norm
+        metrics["optim/update_norm"] = update_norm
+        metrics["optim/nonfinite"] = 1.0 - finite.astype(jnp.float32)
+        return params, opt_state, count + finite.astype(count.dtype), metrics
 
     def on_mesh(share):
         def train_on_mesh(*args):

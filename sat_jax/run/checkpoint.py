@@ -21,38 +21,52 @@ whose meta differs::
 
     state, meta, step = ckpt.restore(make_target)   # make_target(meta) -> target pytree
 
-Validity: a step is skipped, with a ``logging.warning`` naming the step and the reason, when its
-directory lacks orbax's step metadata file or one of the two items (a bogus or partial directory),
-or when reading its meta or state fails (a truncated or deleted file). ``restore(step=None)``
-then walks back to the newest valid step; if none is valid it raises ``FileNotFoundError``.
+Validity: a step is skipped, with a ``logging.warning`` naming the step and the reason, only when
+it is shown to be corrupt: its directory lacks orbax's step metadata file, one of the two items or
+the state's tree metadata (a bogus or partial directory); reading it fails with an error that
+says the bytes are bad (unparsable JSON, a missing file, TensorStore's ``DATA_LOSS``,
+``OUT_OF_RANGE`` for a read past the end of a truncated file, ``FAILED_PRECONDITION`` for a
+stream that does not decompress, ``NOT_FOUND``); or the restored state holds a NaN or an
+infinity. Any other error (out of memory, a transient storage error, a target that does not match
+what was saved) is raised as it is, and no step is marked. ``restore(step=None)`` walks back past
+corrupt steps to the newest valid one; if none is valid it raises ``FileNotFoundError``.
 Skipped steps stay on disk until the next ``save`` of a step at or below them, which moves them
 to ``<directory>/invalid/`` (orbax would otherwise refuse to save a step older than the newest
-directory). Nothing is moved by ``restore`` itself, so a target that does not match what was saved
-(a caller bug, not corruption) never costs a checkpoint. Orbax does not checksum array data:
-bytes flipped in place without changing a file's size can go undetected.
+directory). Nothing is moved by ``restore`` itself. Orbax does not checksum array data: bytes
+flipped in place without changing a file's size can go undetected.
+
+Finiteness: ``save`` refuses a state with a NaN or an infinity in any floating-point leaf
+(:class:`NonFiniteStateError`, naming the leaves), so a checkpoint never holds one.
+
+Read-only: ``Checkpointer(directory, read_only=True)`` (what ``sat-jax eval`` opens) creates no
+directory, deletes no temporary directory of another process's save in flight, and refuses
+``save``.
 
 Multi-host: orbax writes and reads collectively, so EVERY process must call ``save``, ``restore``,
 ``read_meta``, ``wait`` and ``close`` with the same arguments; no ``jax.process_index() == 0``
 guard belongs around them. The only host-local decisions here are agreed across processes: a step
-counts as valid only if it is valid on every process, and only the primary process moves invalid
-steps aside, followed by a barrier.
+counts as valid only if it is valid on every process, an error that is not corruption on any
+process stops every process, and only the primary process moves invalid steps aside, followed by
+a barrier.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "NonFiniteStateError"]
 
 _log = logging.getLogger(__name__)
 
@@ -62,8 +76,21 @@ _META = "meta"
 # produced by a completed save.
 _STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
 _INVALID_DIR = "invalid"
+# Written by orbax into every PyTree item; a state directory without it cannot be restored.
+_TREE_METADATA_FILE = "_METADATA"
+# TensorStore status codes that say the stored bytes are bad (truncated, undecodable, missing),
+# as opposed to the reader failing (RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, ...).
+_CORRUPT_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "FAILED_PRECONDITION", "NOT_FOUND")
 
 Target = Any | Callable[[dict[str, Any]], Any]
+
+
+class NonFiniteStateError(ValueError):
+    """A state to save holds a NaN or an infinity; the message names the leaves."""
+
+
+class _Corrupt(Exception):
+    """A step whose stored data are shown to be bad (restore walks back past it)."""
 
 
 class Checkpointer:
@@ -77,6 +104,8 @@ class Checkpointer:
         ``force=True``); other calls return ``False``.
       async_save: Write in a background thread after copying arrays to host; call ``wait()``
         before reading the files or exiting. Restores are always synchronous.
+      read_only: Only read: the directory must exist, nothing in it is created, moved or
+        deleted (orbax's clean-up of temporary directories included), and ``save`` raises.
     """
 
     def __init__(
@@ -86,6 +115,7 @@ class Checkpointer:
         max_to_keep: int = 3,
         save_interval_steps: int = 1,
         async_save: bool = False,
+        read_only: bool = False,
     ):
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
@@ -93,14 +123,29 @@ class Checkpointer:
             raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         self.directory = os.fspath(directory)
         self._root = epath.Path(self.directory)
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            save_interval_steps=save_interval_steps,
-            enable_async_checkpointing=async_save,
-            create=True,
-            # Temporary directories of a save interrupted by a crash are never valid.
-            cleanup_tmp_directories=True,
-        )
+        self.read_only = bool(read_only)
+        if self.read_only:
+            if not self._root.is_dir():
+                raise FileNotFoundError(f"no checkpoint directory {self.directory}")
+            # A temporary directory may be another process's save in flight: left alone.
+            options = ocp.CheckpointManagerOptions(
+                read_only=True,
+                save_interval_steps=0,
+                max_to_keep=None,
+                create=False,
+                cleanup_tmp_directories=False,
+                enable_async_checkpointing=False,
+            )
+        else:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep,
+                save_interval_steps=save_interval_steps,
+                enable_async_checkpointing=async_save,
+                create=True,
+                # Temporary directories of a save interrupted by a crash are never valid (one
+                # writer per directory: sat_jax.run.lock).
+                cleanup_tmp_directories=True,
+            )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         # Steps found invalid by this process, with the reason; moved aside by the next save.
         self._invalid: dict[int, str] = {}
@@ -125,7 +170,15 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: Any, meta: Mapping[str, Any], *, force: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        meta: Mapping[str, Any],
+        *,
+        force: bool = False,
+        unchecked: Collection[str] = (),
+    ) -> bool:
         """Writes ``state`` and ``meta`` at ``step``; every process must call it.
 
         Args:
@@ -135,12 +188,26 @@ class Checkpointer:
           meta: JSON-serialisable dict. NumPy scalars and 0-d arrays become Python numbers and
             tuples become lists, so that is what ``restore`` gives back.
           force: Save even if ``step`` is not a multiple of ``save_interval_steps``.
+          unchecked: Top-level keys of a dict ``state`` whose values may hold NaN or infinity
+            (data such as a mask of ``-inf``); every other floating-point leaf must be finite.
 
         Returns:
           Whether a checkpoint was started (with ``async_save`` it may still be in flight).
+
+        Raises:
+          NonFiniteStateError: a floating-point leaf of ``state`` holds a NaN or an infinity
+            (nothing is written).
         """
+        if self.read_only:
+            raise ValueError(f"cannot save step {step}: {self.directory} was opened read-only")
         step = _check_step(step)
         _check_no_typed_keys(state)
+        bad = nonfinite_leaves(_without(state, unchecked))
+        if bad:
+            raise NonFiniteStateError(
+                f"refusing to save step {step} in {self.directory}: NaN or infinity in "
+                f"{_names(bad)}"
+            )
         meta = _jsonable(dict(meta), "meta")
         self._move_aside_invalid_at_or_above(step)
         existing = [s for s in self._manager.all_steps() if s >= step]
@@ -168,7 +235,9 @@ class Checkpointer:
         """
         return self._walk(step, self._restore_meta)
 
-    def restore(self, target_state: Target, step: int | None = None) -> tuple[Any, dict, int]:
+    def restore(
+        self, target_state: Target, step: int | None = None, *, unchecked: Collection[str] = ()
+    ) -> tuple[Any, dict, int]:
         """Restores ``(state, meta, step)``; every process must call it.
 
         Args:
@@ -179,11 +248,14 @@ class Checkpointer:
             the step; it is called with each candidate step's meta.
           step: Step to restore. ``None`` restores the newest valid step, walking back past
             invalid ones with a warning each.
+          unchecked: As in ``save``: top-level keys not checked for NaN and infinity.
 
         Raises:
           FileNotFoundError: The directory holds no checkpoint, or none could be restored (the
             message lists every step tried and why it failed).
-          ValueError: ``step`` was given and its checkpoint could not be restored.
+          ValueError: ``step`` was given and its checkpoint is corrupt.
+          Exception: any error that does not show the checkpoint to be corrupt (out of memory,
+            storage unavailable, a target that does not match), as raised.
         """
 
         def attempt(s: int) -> tuple[Any, dict, int]:
@@ -192,6 +264,9 @@ class Checkpointer:
             restored = self._manager.restore(
                 s, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
             )
+            bad = nonfinite_leaves(_without(restored[_STATE], unchecked))
+            if bad:
+                raise _Corrupt(f"NaN or infinity in {_names(bad)}")
             return restored[_STATE], meta, s
 
         return self._walk(step, attempt)
@@ -227,6 +302,8 @@ class Checkpointer:
             item_dir = path / item
             if not item_dir.is_dir() or not any(item_dir.iterdir()):
                 return f"missing or empty item directory '{item}'"
+        if not (path / _STATE / _TREE_METADATA_FILE).exists():
+            return f"missing {_STATE}/{_TREE_METADATA_FILE} (the state's tree metadata)"
         return None
 
     def _restore_meta(self, step: int) -> dict[str, Any]:
@@ -257,13 +334,24 @@ class Checkpointer:
         reason = None
         for s in candidates:
             reason = self._incomplete_reason(s)
-            result = None
+            result = error = None
             if reason is None:
                 try:
                     result = attempt(s)
-                except Exception as e:  # Any read failure marks the step invalid.
-                    reason = f"restore failed: {type(e).__name__}: {_first_line(e)}"
-            if _all_processes_agree(reason is None):
+                except Exception as e:
+                    if _is_corruption(e):
+                        reason = f"restore failed: {type(e).__name__}: {_first_line(e)}"
+                    else:
+                        error = e
+            # Every process takes the same branch: return, raise, or walk back.
+            outcome = _agreed_outcome(2 if error is not None else 1 if reason else 0)
+            if outcome == 2:
+                if error is not None:
+                    raise error
+                raise RuntimeError(
+                    f"restoring step {s} from {self.directory} failed on another process"
+                )
+            if outcome == 0:
                 return result
             reason = reason or "invalid on another process"
             self._mark_invalid(s, reason)
@@ -271,10 +359,7 @@ class Checkpointer:
         if step is not None:
             raise ValueError(f"checkpoint at step {step} in {self.directory} is invalid: {reason}")
         raise FileNotFoundError(
-            f"no valid checkpoint in {self.directory}; tried "
-            + "; ".join(failures)
-            + ". If every step fails with a tree-structure error, the target does not match "
-            "what was saved: build it from read_meta(step) or pass a callable meta -> target."
+            f"no valid checkpoint in {self.directory}; tried " + "; ".join(failures)
         )
 
     def _mark_invalid(self, step: int, reason: str) -> None:
@@ -348,6 +433,75 @@ def _jsonable(value: Any, where: str) -> Any:
     except TypeError as e:
         raise TypeError(f"{where} is not JSON-serialisable ({type(value).__name__})") from e
     return value
+
+
+def nonfinite_leaves(tree: Any) -> list[str]:
+    """Paths of the floating-point leaves of ``tree`` holding a NaN or an infinity, agreed by
+    every process (each checks the shards it holds, on the device or host memory they lie in;
+    every process must call it)."""
+    checks: list[tuple[str, Any]] = []  # (path, a flag still on device or a host bool)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        name = jax.tree_util.keystr(path)
+        if isinstance(leaf, float):
+            checks.append((name, math.isfinite(leaf)))
+            continue
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jax.dtypes.issubdtype(dtype, np.inexact):
+            continue
+        if not isinstance(leaf, jax.Array):
+            checks.append((name, bool(np.isfinite(np.asarray(leaf)).all())))
+            continue
+        for shard in leaf.addressable_shards:
+            data = shard.data
+            if data.sharding.memory_kind in ("pinned_host", "unpinned_host"):
+                checks.append((name, bool(np.isfinite(np.asarray(data)).all())))
+            else:
+                checks.append((name, _all_finite(data)))
+    flags = jax.device_get([flag for _, flag in checks])  # one wait for every device flag
+    bad = list(dict.fromkeys(name for (name, _), ok in zip(checks, flags, strict=True) if not ok))
+    if jax.process_count() > 1 and not _all_processes_agree(not bad):
+        return bad or ["(a leaf held by another process)"]
+    return bad
+
+
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.isfinite(x).all()
+
+
+def _without(state: Any, keys: Collection[str]) -> Any:
+    if not keys:
+        return state
+    return {k: v for k, v in state.items() if k not in keys}
+
+
+def _names(paths: list[str], limit: int = 5) -> str:
+    more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
+    return ", ".join(paths[:limit]) + more
+
+
+def _is_corruption(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) says the stored bytes are bad."""
+    seen = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, _Corrupt | json.JSONDecodeError | FileNotFoundError):
+            return True
+        text = str(e)
+        if any(f"{code}:" in text for code in _CORRUPT_CODES):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _agreed_outcome(code: int) -> int:
+    """The largest of every process's ``code`` (0 valid, 1 corrupt, 2 failed)."""
+    if jax.process_count() == 1:
+        return code
+    from jax.experimental import multihost_utils  # Only needed on multi-host runs.
+
+    return int(np.max(multihost_utils.process_allgather(np.asarray(code, dtype=np.int32))))
 
 
 def _all_processes_agree(ok: bool) -> bool:

@@ -215,10 +215,13 @@ def _same_rows(a, b):
             assert ra[k] == rb[k] or (ra[k] != ra[k] and rb[k] != rb[k]), (ra["step"], k)
 
 
-def test_sigkill_between_checkpoints_then_resume_logs_each_step_once(tmp_path, cache_dir):
+@pytest.mark.parametrize("mode,lag", [("fixed", 2), ("broadcast", 3)])
+def test_sigkill_between_checkpoints_then_resume_logs_each_step_once(
+    mode, lag, tmp_path, cache_dir
+):
     def config_for(name):
         c = tiny(config_lib.get_config(), tmp_path / name, cache_dir)
-        c.num_steps, c.checkpoint.every, c.lag, c.lag_mode = 7, 2, 2, "fixed"
+        c.num_steps, c.checkpoint.every, c.lag, c.lag_mode = 7, 2, lag, mode
         c.eval.every = 3
         return c
 
@@ -230,8 +233,8 @@ def test_sigkill_between_checkpoints_then_resume_logs_each_step_once(tmp_path, c
         *_cli_overrides(workdir, cache_dir),
         "--config.num_steps=7",
         "--config.checkpoint.every=2",
-        "--config.lag=2",
-        "--config.lag_mode=fixed",
+        f"--config.lag={lag}",
+        f"--config.lag_mode={mode}",
         "--config.eval.every=3",
     ]
     proc = subprocess.Popen(

@@ -166,9 +166,10 @@ def test_empty_directory_and_nothing_valid(tmp_path):
     ckpt.save(0, {"a": jnp.ones(3)}, {})
     with pytest.raises(ValueError, match="no checkpoint at step 5"):
         ckpt.restore({"a": jnp.ones(3)}, step=5)
-    # A target that matches nothing: every step fails and the error says why.
-    with pytest.raises(FileNotFoundError, match="no valid checkpoint.*step 0"):
+    # A target that matches nothing is the caller's error, not corruption: raised as it is.
+    with pytest.raises(ValueError, match="tree structures do not match"):
         ckpt.restore({"b": jnp.ones(3)})
+    assert ckpt.latest_step() == 0
 
 
 def test_save_interval_async_and_input_checks(tmp_path):
