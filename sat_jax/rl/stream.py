@@ -92,10 +92,9 @@ class StreamRollouts:
         self.timeout = float(timeout)
         self.engine, self.prompts, self.seed = engine, prompts, seed
         self.chunk, self.needs_old, self.view = chunk, needs_old, view
-        sampler = engine.sampler
-        in_slots = (
-            sampler.num_slots // sampler.group_size if isinstance(sampler, ContinuousSampler) else 0
-        )
+        sampler = getattr(engine, "sampler", None)
+        self._continuous = isinstance(sampler, ContinuousSampler)
+        in_slots = sampler.num_slots // sampler.group_size if self._continuous else 0
         self.store = SnapshotStore(queue_size + 2 + in_slots if needs_old else 1, placement)
         self._group_pins: dict[int, int] = {}  # prompt id in the slots -> version it started from
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -127,7 +126,7 @@ class StreamRollouts:
 
     def _run(self):
         try:
-            if isinstance(self.engine.sampler, ContinuousSampler):
+            if self._continuous:
                 self._run_continuous()
             else:
                 while not self._stop.is_set():
@@ -275,12 +274,11 @@ class StreamRollouts:
                 (next_index, position), inflight = self._inflight, 1
             else:
                 next_index, position, inflight = self._index, _position(self.prompts), 0
-            continuous = isinstance(self.engine.sampler, ContinuousSampler)
             if not batches and items:
-                if not continuous:  # redraw from the oldest untrained batch's prompts
+                if not self._continuous:  # redraw from the oldest untrained batch's prompts
                     next_index, position = items[0][0], self._drawn_at[items[0][0]]
                 inflight, items = inflight + len(items), []
-            inflight_groups = self._groups_in_flight if continuous else 0
+            inflight_groups = self._groups_in_flight if self._continuous else 0
         arrays = {str(i): dataclasses.asdict(batch) for i, batch in items}
         queued = [
             {

@@ -147,6 +147,7 @@ def test_a_partial_rollout_is_discarded_with_a_logged_count(caplog):
         "next_index": 3,
         "iterator": position,
         "inflight": 1,
+        "inflight_groups": 0,
     }
     resumed = StreamRollouts(engine=None, prompts=prompts, seed=0, queue_size=2)
     with caplog.at_level(logging.WARNING):
@@ -163,6 +164,7 @@ def test_a_partial_rollout_is_discarded_with_a_logged_count(caplog):
         "next_index": 1,
         "iterator": {"epoch": 0, "index": 4},
         "inflight": 2,
+        "inflight_groups": 0,
     }
 
 

@@ -305,3 +305,51 @@ def test_stream_mode_fills_the_slots_and_swaps_at_harvest_points(params, engines
         assert r.behaviour["old"] is published[int(min(x.min() for x in live))]
     assert crossed > 0 and stream.swaps > 0
     assert 0 < r.metrics["stream/slot_use"] <= 1
+
+
+def test_stream_checkpoint_keeps_finished_batches_and_counts_groups_in_the_slots(
+    params, engines, caplog
+):
+    """A checkpoint of a continuous stream: every drawn group is in a saved batch or counted as
+    discarded (still in the slots), and a restored source serves the saved batches first."""
+    import logging
+
+    from sat_jax.data import CharTokenizer
+    from sat_jax.rl.rollout import RolloutEngine
+    from sat_jax.rl.stream import StreamRollouts
+
+    def make():
+        engine = RolloutEngine(
+            sampler=engines(4, 3),
+            tokenizer=CharTokenizer(),
+            reward_fn=lambda text, example: float(len(text) % 2),
+            group_size=G,
+            sampling=SamplingParams(),
+        )
+        prompts = iter(lambda: [{"prompt": "1+2="}, {"prompt": "34+5="}], None)
+        return StreamRollouts(engine, prompts, seed=0, queue_size=1, needs_old=True)
+
+    stream = make()
+    stream.publish(0, params[1])
+    stream.start()
+    try:
+        deadline = time.monotonic() + 600  # the first window compiles
+        while stream._finished is None and time.monotonic() < deadline:  # queue full + 1 waiting
+            stream._thread.join(0.05)
+            assert stream._error is None
+        arrays, meta = stream.checkpoint()
+        drawn = stream._groups_in_flight + 2 * len(meta["queued"])
+    finally:
+        stream.close()
+    assert [q["index"] for q in meta["queued"]] == [0, 1] and meta["next_index"] == 2
+    assert meta["inflight"] == 0 and meta["inflight_groups"] >= 0
+    assert drawn == meta["inflight_groups"] + 4  # two saved batches of two groups each
+    resumed = make()
+    resumed.publish(0, params[1])
+    with caplog.at_level(logging.WARNING):
+        resumed.restore(arrays, meta)
+    assert ("still in the continuous engine's slots" in caplog.text) == bool(
+        meta["inflight_groups"]
+    )
+    first = resumed.next(0)  # served from the restored queue, without the worker
+    np.testing.assert_array_equal(first.batch.tokens, arrays["0"]["tokens"])
