@@ -83,7 +83,11 @@ def get_config() -> ml_collections.ConfigDict:
 
     # Rollout engine: bfloat16 against the float32 trainer reproduces the engine mismatch.
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.dtype = "bfloat16"
+    c.rollout.dtype = "bfloat16"  # float32 | bfloat16 | float16: the engine's compute dtype
+    # Std of Gaussian noise on the engine's router logits before its top-k (the gates keep the
+    # clean logits; the trainer never sees it): routing mismatch at unchanged precision, seeded
+    # by the rollout key. 0 = off; must be >= 0.
+    c.rollout.router_noise = 0.0
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0
@@ -92,8 +96,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.stream_chunk = 2  # decode steps between weight checks (stream mode)
 
     # Asynchrony (Section 4.4).
-    c.lag_mode = "broadcast"  # fixed | broadcast | stream
+    c.lag_mode = "broadcast"  # fixed | broadcast | sampled | stream
     c.lag = 8
+    # lag_mode=sampled: every group draws its own lag from lag_dist on 1..lag_cap with mean `lag`
+    # (1 <= lag <= lag_cap): geometric (light tail) or zipf (power law, heavy tail); see
+    # sat_jax/rl/lag.py.
+    c.lag_dist = "geometric"  # geometric | zipf
+    c.lag_cap = 16
     c.snapshot_placement = "device"  # device | host (pinned host memory, sharding kept)
 
     # Objective (sat_jax.losses) and its hyper-parameters.
@@ -162,6 +171,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.log.plots = True
     c.log.tensorboard = True
     c.log.progress = True
+    # Split log r into staleness log(pi_theta/pi_theta_v) and engine log(pi_theta_v/mu), each with
+    # the mismatch statistics: one more forward per step, with the behaviour version's parameters
+    # (fixed and broadcast lag modes, where a batch has one behaviour version).
+    c.log.decompose_mismatch = False
 
     # Parallelism: data-parallel devices (-1: all); multi-host set up by the CLI flags.
     c.mesh = ml_collections.ConfigDict()
@@ -179,9 +192,12 @@ def get_config() -> ml_collections.ConfigDict:
     return c
 
 
-def method_config(name: str, objective: str, *, r3: bool, correction: str = "none", **loss):
-    """The default run with one method of the paper's grid (Table 1) swapped in."""
-    c = get_config()
+def method_config(
+    name: str, objective: str, *, r3: bool, correction: str = "none", base=None, **loss
+):
+    """A base run (``base()``, default :func:`get_config`) with one method of the paper's grid
+    (Table 1) swapped in."""
+    c = (base or get_config)()
     c.name = name
     c.loss.objective = objective
     c.loss.r3 = r3

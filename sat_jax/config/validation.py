@@ -31,6 +31,9 @@ from sat_jax.rl import lag as lag_lib
 from sat_jax.rl import trainer
 from sat_jax.rl.snapshots import PLACEMENTS
 
+#: The rollout engine's compute dtypes (``rollout.dtype``).
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
+
 #: config.loss fields where 0 stands for the loss's own default.
 ZERO_MEANS_DEFAULT = ("dual_clip", "delta")
 
@@ -98,6 +101,7 @@ def loss_spec(config) -> trainer.LossSpec:
         router_aux=config.model.router_aux_loss_coef > 0,
         logprob_chunk=int(c.logprob_chunk) or None,
         prompt_group=int(config.rollout.group_size) if c.share_prompt else 1,
+        decompose_mismatch=bool(config.log.decompose_mismatch),
     )
 
 
@@ -247,8 +251,13 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
         _fail(f"rollout.group_size and rollout.prompts_per_step must be >= 1, got {g}, {p}")
     if p % num_processes:
         _fail(f"rollout.prompts_per_step={p} (global) must divide over {num_processes} processes")
-    if r.dtype not in ("float32", "bfloat16"):
-        _fail(f"rollout.dtype must be float32|bfloat16, got {r.dtype!r}")
+    if r.dtype not in ROLLOUT_DTYPES:
+        _fail(f"rollout.dtype must be one of {ROLLOUT_DTYPES}, got {r.dtype!r}")
+    noise = r.router_noise
+    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not noise >= 0:
+        _fail(f"rollout.router_noise must be a float >= 0 (0: off), got {noise!r}")
+    if not math.isfinite(noise):
+        _fail(f"rollout.router_noise must be finite, got {noise!r}")
     if not 0 < r.top_p <= 1 or not r.temperature > 0:
         _fail(
             f"rollout.top_p must be in (0, 1] and rollout.temperature > 0, got {r.top_p}, "
@@ -292,6 +301,33 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
         )
 
 
+def lag_schedule(config) -> lag_lib.LagSchedule:
+    """The run's lag schedule (mode, lag and, for ``sampled``, distribution and cap)."""
+    return lag_lib.LagSchedule(config.lag_mode, config.lag, config.lag_dist, config.lag_cap)
+
+
+def _check_lag(config) -> None:
+    if config.lag_dist not in lag_lib.DISTRIBUTIONS:
+        _fail(f"lag_dist must be one of {lag_lib.DISTRIBUTIONS}, got {config.lag_dist!r}")
+    try:
+        lag_schedule(config)
+    except (ValueError, TypeError) as e:
+        extra = f", lag_cap={config.lag_cap}" if config.lag_mode == "sampled" else ""
+        _fail(f"lag_mode={config.lag_mode!r}, lag={config.lag}{extra}: {e}")
+    spec = loss_spec(config)
+    if config.lag_mode == "sampled" and spec.needs_old:
+        _fail(
+            "lag_mode='sampled' mixes behaviour versions within a batch, but the loss recomputes "
+            "one behaviour version (loss.ratio_denominator=recompute, a correction comparing "
+            "with it, or log.decompose_mismatch); use fixed or broadcast for those"
+        )
+    if config.log.decompose_mismatch and config.lag_mode not in ("fixed", "broadcast"):
+        _fail(
+            f"log.decompose_mismatch needs one behaviour version per batch (lag_mode fixed or "
+            f"broadcast), got lag_mode={config.lag_mode!r}"
+        )
+
+
 def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
     """Rejects impossible settings with one :class:`ConfigError`, before any compute."""
     if config.num_steps < 1:
@@ -301,13 +337,10 @@ def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
         _fail(f"loss.logprob_chunk must be an int >= 0 (0: no chunking), got {chunk!r}")
     if not isinstance(config.loss.share_prompt, bool):
         _fail(f"loss.share_prompt must be a bool, got {config.loss.share_prompt!r}")
-    try:
-        lag_lib.LagSchedule(config.lag_mode, config.lag)
-    except (ValueError, TypeError) as e:
-        _fail(f"lag_mode={config.lag_mode!r}, lag={config.lag}: {e}")
     if config.snapshot_placement not in PLACEMENTS:
         _fail(f"snapshot_placement must be one of {PLACEMENTS}, got {config.snapshot_placement!r}")
     _check_loss(config)
+    _check_lag(config)  # after the loss: which lag modes fit depends on what the loss recomputes
     _check_model(config)
     _check_optim(config)
     _check_data(config)

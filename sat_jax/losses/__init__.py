@@ -6,7 +6,13 @@ Depends on jax, numpy and chex only. Every objective takes log-prob arrays (not 
 
 from sat_jax.losses._base import AGGREGATIONS, LOG_RATIO_CLAMP, LossOutput, aggregate
 from sat_jax.losses.corrections import icepop, kpop, tis
-from sat_jax.losses.diagnostics import low_var_kl, mismatch_metrics
+from sat_jax.losses.diagnostics import (
+    clip_split,
+    low_var_kl,
+    mismatch_decomposition,
+    mismatch_metrics,
+    mismatch_shape,
+)
 from sat_jax.losses.objectives import (
     bernoulli_kl,
     dppo,
@@ -29,6 +35,7 @@ __all__ = [
     "LossOutput",
     "aggregate",
     "bernoulli_kl",
+    "clip_split",
     "dppo",
     "drpo",
     "get",
@@ -38,7 +45,9 @@ __all__ = [
     "icepop",
     "kpop",
     "low_var_kl",
+    "mismatch_decomposition",
     "mismatch_metrics",
+    "mismatch_shape",
     "names",
     "ppo",
     "quantile",

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from sat_jax.losses import _base
-from sat_jax.losses.diagnostics import _mismatch_from_log_ratio
+from sat_jax.losses.diagnostics import _mismatch_from_log_ratio, clip_split
 from sat_jax.losses.quantile import quantile
 
 Kernel = Callable[[jax.Array, jax.Array], jax.Array]
@@ -145,6 +145,7 @@ def _clip_objective(
     if keep is not None:
         surrogate = jnp.where(keep, surrogate, 0.0)
     means = {k: v.astype(jnp.float32) for k, v in indicators.items()}
+    means.update(clip_split(ratio, adv, lo, hi))
     means["ratio_mean"] = jax.lax.stop_gradient(ratio)
     if contraction is not None:
         r = jax.lax.stop_gradient(ratio)
@@ -236,7 +237,8 @@ def ppo(
     tunix's ``grpo`` applies it only when ``epsilon_c`` is set (docs/losses.md).
 
     Metrics: mismatch (d̄_π), k1, k3, log_ratio_var, mismatch_max, clip_frac(_upper/_lower),
-    ratio_mean (and dual_clip_frac).
+    ratio_mean (and dual_clip_frac), and the four cells of ``diagnostics.clip_split``
+    (``clip/pos_high``, ``clip/pos_low``, ``clip/neg_low``, ``clip/neg_high``).
 
     Example:
       >>> out = ppo(jnp.log(jnp.array([[1.5]])), jnp.zeros((1, 1)), jnp.array([1.0]),

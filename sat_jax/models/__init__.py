@@ -22,6 +22,7 @@ from sat_jax.models.logprobs import (
     scale_logits,
     token_logprobs,
 )
+from sat_jax.models.moe import noisy_logits, routing_flips
 from sat_jax.models.sharding import (
     BATCH_AXES,
     LOGICAL_AXIS_RULES,
@@ -69,6 +70,7 @@ __all__ = [
     "load_balancing_loss",
     "load_hf",
     "logical_axes",
+    "noisy_logits",
     "param_count",
     "param_path",
     "param_shardings",
@@ -76,6 +78,7 @@ __all__ = [
     "apply_rotary",
     "rotary",
     "rotary_tables",
+    "routing_flips",
     "routing_gates",
     "save_hf",
     "scale_logits",

@@ -18,7 +18,7 @@ from flax import nnx
 
 from sat_jax.models.attention import attend
 from sat_jax.models.config import ModelConfig
-from sat_jax.models.moe import expert_ffn
+from sat_jax.models.moe import expert_ffn, noisy_logits
 from sat_jax.models.sharding import BATCH_AXES
 
 
@@ -315,14 +315,25 @@ class MoE(nnx.Module):
         self.impl = cfg.moe_impl
 
     def __call__(
-        self, x: jax.Array, replay: jax.Array | None
+        self, x: jax.Array, replay: jax.Array | None, noise: tuple | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Returns (output [B, T, d], indices used [B, T, k] int32, router logits [B, T, E] f32)."""
+        """Returns (output [B, T, d], indices used [B, T, k] int32, router logits [B, T, E] f32).
+
+        ``noise``: None, or ``(key, std)``: a fresh choice takes the top-k of z + std·N(0, 1)
+        (``moe.noisy_logits``) while the gates stay those of the clean z on the chosen set, so
+        the noise changes which experts run and nothing else (a rollout engine's routing
+        mismatch at unchanged precision). Ignored under replay.
+        """
         dt = x.dtype
         # Router logits in the compute dtype, then float32: a bfloat16 engine routes on bf16 logits.
         with jax.named_scope("router"):
             z = self.gate(x).astype(jnp.float32)
-            indices = select_experts(z, self.k) if replay is None else replay.astype(jnp.int32)
+            if replay is not None:
+                indices = replay.astype(jnp.int32)
+            elif noise is not None:
+                indices = select_experts(noisy_logits(z, *noise), self.k)
+            else:
+                indices = select_experts(z, self.k)
             gates = routing_gates(z, indices, norm_topk_prob=self.norm_topk_prob)
             weights = jnp.take_along_axis(gates, indices, axis=-1)  # [B, T, k] float32
         b, t, d = x.shape

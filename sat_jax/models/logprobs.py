@@ -222,7 +222,8 @@ def token_logprobs(
     Returns:
       logp: [B, T − s] float32.
       entropy: [B, T − s] float32, entropy of the (replayed-support) distribution at each position.
-      aux: ``routing`` used [num_moe_layers, B, T − 1, k], ``load_balancing_loss`` (Switch loss on
+      aux: ``routing`` used [num_moe_layers, B, T − 1, k], ``router_top_k`` (the model's own
+        top-k there, replay or not), ``load_balancing_loss`` (Switch loss on
         fresh top-k over real fed tokens) and ``aux_loss`` = router_aux_loss_coef × that loss.
     """
     _checks.check_rank("tokens", tokens, 2)
@@ -274,6 +275,7 @@ def token_logprobs(
         )
     aux = {
         "routing": out.routing,
+        "router_top_k": out.router_top_k,
         "load_balancing_loss": out.load_balancing_loss,
         "aux_loss": model.config.router_aux_loss_coef * out.load_balancing_loss,
     }

@@ -131,6 +131,31 @@ from sat_jax.models import _checks
 IMPLS = ("auto", "dense", "ragged", "blocked")
 
 
+def noisy_logits(router_logits: jax.Array, key: jax.Array, std) -> jax.Array:
+    """z + std·ε, ε ~ N(0, 1) i.i.d. per token and expert, in float32: the scores a noisy
+    rollout engine takes its top-k of (``MoE(noise=(key, std))``; the gates keep the clean z).
+
+    ``std`` may be a Python float or a traced scalar; the caller draws one ``key`` per layer and
+    forward pass, so every token-layer gets independent noise.
+    """
+    z = router_logits.astype(jnp.float32)
+    return z + jnp.asarray(std, jnp.float32) * jax.random.normal(key, z.shape, jnp.float32)
+
+
+def routing_flips(chosen: jax.Array, recorded: jax.Array) -> jax.Array:
+    """Whether two routing decisions differ as sets: ``[..., k]`` int → ``[...]`` bool.
+
+    Top-k order is not part of the decision (the gates depend on the set only), so each row is
+    sorted before comparing. The routing flip rate of a batch is the mean of this over its
+    token-layers: with ``chosen`` the trainer's fresh top-k of its own router logits and
+    ``recorded`` the rollout engine's (the indices R3 replays), it is defined whether or not the
+    trainer replays them.
+    """
+    _checks.check_integer("chosen", chosen)
+    _checks.check_shape("recorded", recorded, chosen.shape)
+    return jnp.any(jnp.sort(chosen, axis=-1) != jnp.sort(recorded, axis=-1), axis=-1)
+
+
 def expert_ffn(
     x: jax.Array,
     indices: jax.Array,

@@ -36,6 +36,7 @@ from sat_jax.models.layers import (
     RMSNorm,
     load_balancing_loss,
     rotary_tables,
+    select_experts,
 )
 
 _REMAT_POLICIES = {
@@ -59,6 +60,9 @@ class ForwardOutput(NamedTuple):
       hidden: with ``return_hidden=True``, the final-RMSNorm'd hidden states
         [B, T − logits_from, d] in the compute dtype (logits = hidden · ``lm_head_weight()``);
         else None.
+      router_top_k: [num_moe_layers, B, T, k] int32, the top-k of each MoE layer's own router
+        logits, whether or not ``routing`` was replayed (equal to ``routing`` without replay
+        and without router noise): what ``moe.routing_flips`` compares with a recorded routing.
     """
 
     logits: jax.Array | None
@@ -66,6 +70,7 @@ class ForwardOutput(NamedTuple):
     load_balancing_loss: jax.Array
     cache: LayerCache | None
     hidden: jax.Array | None = None
+    router_top_k: jax.Array | None = None
 
 
 def positions_from_mask(input_mask: jax.Array) -> jax.Array:
@@ -136,7 +141,9 @@ class Block(nnx.Module):
             )
         self.is_moe = moe
 
-    def __call__(self, x, rope, kv_mask, cache, cache_index, layer, replay, shared_prefix=None):
+    def __call__(
+        self, x, rope, kv_mask, cache, cache_index, layer, replay, shared_prefix=None, noise=None
+    ):
         # Named scopes label the profile (op_name metadata); they do not change the program.
         with jax.named_scope("attention"):
             h, new_cache = self.self_attn(
@@ -146,7 +153,7 @@ class Block(nnx.Module):
         with jax.named_scope("moe" if self.is_moe else "mlp"):
             hn = self.post_attention_layernorm(x)
             if self.is_moe:
-                y, indices, z = self.mlp(hn, replay)
+                y, indices, z = self.mlp(hn, replay, noise)
             else:
                 y, indices, z = self.mlp(hn), None, None
         return x + y, new_cache, indices, z
@@ -212,6 +219,7 @@ class Transformer(nnx.Module):
         logits_from: int = 0,
         return_hidden: bool = False,
         shared_prefix: tuple[int, int] | None = None,
+        router_noise: tuple[jax.Array, float] | None = None,
     ) -> ForwardOutput:
         """Forward pass; capture routing always, replay it (R3, Eq. 40) when ``routing`` is given.
 
@@ -242,6 +250,10 @@ class Transformer(nnx.Module):
             and gradients (to float rounding), for ≈ (P + G·(T − P)) / (G·T) of the per-token
             work. The promise is not checked here (the trainer checks each batch on the host);
             rows that break it get their group's first row's prefix. Not with ``cache``.
+          router_noise: None, or ``(key, std)`` with std > 0: every MoE layer that chooses its
+            experts (no replay) takes the top-k of its router logits plus Gaussian noise of that
+            std, drawn from ``fold_in(key, layer)`` (``MoE``); the gates keep the clean logits.
+            A rollout engine's knob for routing mismatch without a change of precision.
         Returns:
           ``ForwardOutput``.
         """
@@ -305,11 +317,11 @@ class Transformer(nnx.Module):
         table = _sharding.constrain(self.embed_tokens[...], ("vocab", None))
         x = _sharding.constrain(jnp.take(table, tokens, axis=0).astype(cfg.dtype), act)
         rope = rotary_tables(positions, cfg.head_dim, cfg.rope_theta)  # one for every block
-        used, lb = [], []
+        used, lb, top = [], [], []
         for moe, start, stop in cfg.layer_runs:
             ids = (cfg.moe_layer_ids if moe else cfg.dense_layer_ids)[start:stop]
             replay = None if (routing is None or not moe) else routing[start:stop]
-            x, cache, idx, lbl = self._scan_run(
+            x, cache, idx, lbl, fresh = self._scan_run(
                 self.moe_layers if moe else self.dense_layers,
                 start,
                 stop,
@@ -322,12 +334,17 @@ class Transformer(nnx.Module):
                 replay,
                 token_weight,
                 shared_prefix,
+                router_noise,
             )
             if moe:
                 if shared_prefix is not None:  # [n, B/G, P + G(T − P), k] → [n, B, T, k]
-                    idx = jnp.moveaxis(expand_rows(jnp.moveaxis(idx, 0, 2), shared_prefix, t), 2, 0)
+                    idx, fresh = (
+                        jnp.moveaxis(expand_rows(jnp.moveaxis(a, 0, 2), shared_prefix, t), 2, 0)
+                        for a in (idx, fresh)
+                    )
                 used.append(idx)
                 lb.append(lbl)
+                top.append(fresh)
         if shared_prefix is not None:
             x = expand_rows(x, shared_prefix, t)
         h = _sharding.constrain(self.norm(x[:, logits_from:]), act)
@@ -339,9 +356,10 @@ class Transformer(nnx.Module):
             hidden = None
         if used:
             routing_out = jnp.concatenate(used, axis=0)
+            top_k = jnp.concatenate(top, axis=0)
             lb_loss = jnp.mean(jnp.concatenate(lb, axis=0))
         else:
-            routing_out = jnp.zeros((0, b, t, k), jnp.int32)
+            routing_out = top_k = jnp.zeros((0, b, t, k), jnp.int32)
             lb_loss = jnp.zeros((), jnp.float32)
         return ForwardOutput(
             logits=logits,
@@ -349,6 +367,7 @@ class Transformer(nnx.Module):
             load_balancing_loss=lb_loss,
             cache=cache,
             hidden=hidden,
+            router_top_k=top_k,
         )
 
     def _scan_run(
@@ -365,6 +384,7 @@ class Transformer(nnx.Module):
         replay,
         token_weight,
         shared_prefix,
+        router_noise=None,
     ):
         """Blocks ``start:stop`` of ``stack`` (global indices ``ids``) as one ``lax.scan``."""
         cfg = self.config
@@ -378,18 +398,22 @@ class Transformer(nnx.Module):
             x, c = carry
             layer_state, layer, rp = xs
             block = nnx.merge(graphdef, layer_state)
-            x, c, idx, z = block(x, rope, kv_mask, c, cache_index, layer, rp, shared_prefix)
+            noise = None
+            if router_noise is not None:
+                noise = (jax.random.fold_in(router_noise[0], layer), router_noise[1])
+            x, c, idx, z = block(x, rope, kv_mask, c, cache_index, layer, rp, shared_prefix, noise)
             x = _sharding.constrain(x, ("batch", None, None))
             lbl = None if z is None else load_balancing_loss(z, k, token_weight)
-            return (x, c), (idx, lbl)
+            fresh = None if z is None else select_experts(z, k)
+            return (x, c), (idx, lbl, fresh)
 
         if cache is None and cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
         layers = jnp.asarray(ids, jnp.int32)
-        (x, cache), (idx, lbl) = jax.lax.scan(
+        (x, cache), (idx, lbl, fresh) = jax.lax.scan(
             body, (x, cache), (state, layers, replay), unroll=min(cfg.scan_unroll, stop - start)
         )
-        return x, cache, idx, lbl
+        return x, cache, idx, lbl, fresh
 
 
 def abstract_params(config: ModelConfig) -> nnx.State:

@@ -159,6 +159,7 @@ def build(config, log=lambda msg: None) -> Components:
         eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id,
         dtype=jnp.dtype(config.rollout.dtype),
+        router_noise=float(config.rollout.router_noise),
     )
     engine = RolloutEngine(
         sampler=sampler,

@@ -78,9 +78,8 @@ def make_source(config, parts: Components, prompts, *, first_step: int) -> Rollo
             first_index=first_step,
             **common,
         )
-    return ScheduledRollouts(
-        parts.engine, LagSchedule(config.lag_mode, config.lag), prompts, config.seed, **common
-    )
+    schedule = LagSchedule(config.lag_mode, config.lag, config.lag_dist, config.lag_cap)
+    return ScheduledRollouts(parts.engine, schedule, prompts, config.seed, **common)
 
 
 def _eval(config, parts: Components, params, step: int) -> dict[str, float]:

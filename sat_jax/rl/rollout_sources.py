@@ -7,7 +7,8 @@ parameters the loss needs) and tells it about each new parameter version
 versions must stay in memory for that, lives behind these two calls.
 
 * :class:`ScheduledRollouts` — the synchronous ``fixed`` and ``broadcast`` modes
-  (``sat_jax.rl.lag``): batch j is sampled by ``schedule.version_for(j)``, exactly.
+  (``sat_jax.rl.lag``): batch j is sampled by ``schedule.version_for(j)``, exactly; and
+  ``sampled``: each group of batch j by its own ``schedule.group_versions(j, ...)``, exactly.
 * :class:`sat_jax.rl.stream.StreamRollouts` — ``stream``: a worker thread decodes with the newest
   version, swapping weights mid-decode.
 """
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 
 from sat_jax.rl import rng
 from sat_jax.rl.batch import RolloutBatch
@@ -69,8 +71,18 @@ class ScheduledRollouts:
     """``fixed`` / ``broadcast``: batch j is sampled by ``schedule.version_for(j)`` on the caller's
     thread, with the key ``rng.key(seed, "rollout", j, process)``.
 
+    ``sampled``: the groups of batch j are sampled by their own versions
+    ``schedule.group_versions(j, groups, seed)`` (drawn over the global batch; each process takes
+    its share). The groups of one version are decoded together with the key
+    ``rng.key(seed, "rollout", j, process, version)``, padded with repeats of their last group to
+    a power of two (so the engine compiles for at most log₂ of the prompts per step + 1 batch
+    sizes; the repeats are dropped), and the batch is reassembled in prompt order. Each token's
+    version is the version of the snapshot that decoded it. The rollout takes one decode per
+    distinct version in the batch (logged as ``rollout/versions``).
+
     The store keeps exactly ``schedule.needed_after(j)`` plus the newest version, which is never
-    more than ``schedule.capacity`` (k + 1 for fixed lag k, 2 for broadcast).
+    more than ``schedule.capacity`` (k + 1 for fixed lag k, 2 for broadcast, C + 1 for sampled
+    with cap C).
 
     Args:
       engine: samples and scores.
@@ -106,6 +118,8 @@ class ScheduledRollouts:
         pass
 
     def next(self, step: int) -> Rollout:
+        if self.schedule.mode == "sampled":
+            return self._next_sampled(step)
         version = self.schedule.version_for(step)
         examples = next(self.prompts)
         t0 = time.perf_counter()
@@ -128,8 +142,54 @@ class ScheduledRollouts:
         behaviour = {"old": params} if self.needs_old else {}
         return Rollout(batch, behaviour, metrics, generate_s)
 
+    def _next_sampled(self, step: int) -> Rollout:
+        examples = next(self.prompts)
+        n, process = len(examples), jax.process_index()
+        versions = self.schedule.group_versions(step, n * jax.process_count(), self.seed)
+        versions = versions[process * n : (process + 1) * n]
+        t0 = time.perf_counter()
+        parts, order, generate_s = [], [], 0.0
+        for version in (int(v) for v in np.unique(versions)):
+            groups = np.flatnonzero(versions == version)
+            size = min(1 << int(len(groups) - 1).bit_length(), n)
+            chosen = [examples[i] for i in groups] + [examples[groups[-1]]] * (size - len(groups))
+            t1 = time.perf_counter()
+            out = self.engine.generate(
+                self.view(self.store.get(version)),
+                chosen,
+                rng.key(self.seed, "rollout", step, process, version),
+                version,
+            )
+            jax.block_until_ready(out.tokens)
+            generate_s += time.perf_counter() - t1
+            rows = len(groups) * self.engine.group_size
+            parts.append(self.engine.score(chosen, out).select(slice(0, rows)))
+            order.extend(groups)
+        batch = _in_prompt_order(parts, np.asarray(order), self.engine.group_size)
+        metrics = {
+            "time/rollout_s": time.perf_counter() - t0,
+            "time/queue_wait_s": 0.0,
+            "rollout/versions": float(len(parts)),
+            **self.store.memory(),
+        }
+        return Rollout(batch, {}, metrics, generate_s)
+
     def publish(self, version: int, params: Any) -> None:
         self.store.put(version, params, keep=self.schedule.needed_after(version - 1))
 
     def close(self) -> None:
         pass
+
+
+def _in_prompt_order(parts: list[RolloutBatch], order: np.ndarray, group_size: int):
+    """One batch from per-version ``parts`` whose groups are the prompts ``order`` (in turn):
+    the rows of prompt i end up at rows i·G … (i + 1)·G − 1, each field along its batch axis."""
+    rank = np.argsort(order, kind="stable")
+    rows = (rank[:, None] * group_size + np.arange(group_size)[None, :]).ravel()
+
+    def field(name):
+        axis = RolloutBatch.batch_axis(name)
+        joined = np.concatenate([np.asarray(getattr(p, name)) for p in parts], axis=axis)
+        return np.take(joined, rows, axis=axis)
+
+    return RolloutBatch(**{name: field(name) for name in RolloutBatch.fields()})

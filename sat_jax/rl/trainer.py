@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from sat_jax import losses
 from sat_jax.models.logprobs import token_logprobs
+from sat_jax.models.moe import routing_flips
 from sat_jax.models.sharding import check_mesh
 from sat_jax.models.transformer import abstract_params, param_shardings
 from sat_jax.rl.batch import RolloutBatch, batch_axes
@@ -61,12 +62,16 @@ class LossSpec:
     # share their prompt slots (``RolloutBatch.shares_prompt``) runs the model's blocks on
     # each prompt once (token_logprobs(shared_prefix=(G, prompt_width))).
     prompt_group: int = 1
+    # Split log r into staleness log(π_θ/π_θv) and engine log(π_θv/μ) (one more forward, with
+    # the behaviour version's parameters), each with the mismatch statistics.
+    decompose_mismatch: bool = False
 
     @property
     def needs_old(self) -> bool:
         """Whether the trainer must recompute log μ̃ under the behaviour version's parameters."""
         return (
             self.ratio_denominator == "recompute"
+            or self.decompose_mismatch
             or self.correction != "none"
             and losses.registry.correction_reference(self.correction) == "old"
         )
@@ -146,8 +151,9 @@ def policy_loss(
             _logprobs(graphdef, extra["ref"], batch, spec, prompt_width, share)[0]
         )
     logp, entropy, aux = _logprobs(graphdef, params, batch, spec, prompt_width, share)
+    flips = routing_flip_share(aux["router_top_k"], batch.routing, prompt_width)
     loss, metrics = _objective(
-        logp, entropy, old_logp, ref_logp, _loss_fields(batch), spec, axis_name
+        logp, entropy, old_logp, ref_logp, _loss_fields(batch), spec, axis_name, flips
     )
     if spec.router_aux:
         aux_loss = (
@@ -159,6 +165,20 @@ def policy_loss(
     return loss, metrics
 
 
+def routing_flip_share(router_top_k, routing, prompt_width: int) -> jax.Array:
+    """Per response token, the share of MoE layers whose trainer top-k set differs from the
+    engine's recorded one, ``[B, N]`` float32 (``moe.routing_flips``).
+
+    Column j of the response is predicted at fed slot ``prompt_width − 1 + j``, so the routing of
+    that slot is the token's; averaged over active tokens this is the batch's routing flip rate.
+    Both inputs are ``[L, B, P + N − 1, k]``; with no MoE layer the share is 0.
+    """
+    top, rec = router_top_k[:, :, prompt_width - 1 :], routing[:, :, prompt_width - 1 :]
+    if top.shape[0] == 0:
+        return jnp.zeros(top.shape[1:3], jnp.float32)
+    return jnp.mean(routing_flips(top, rec).astype(jnp.float32), axis=0)
+
+
 def _loss_fields(batch: RolloutBatch) -> dict[str, jax.Array]:
     """The per-sequence / per-token fields the objective reads (all with the batch on axis 0)."""
     return {
@@ -168,9 +188,10 @@ def _loss_fields(batch: RolloutBatch) -> dict[str, jax.Array]:
     }
 
 
-def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_name):
+def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_name, flips=None):
     """The policy objective (+ corrections, KL, metrics) from per-token log-probs [B, N] of a
-    (local) batch shard; every batch statistic is global over ``axis_name``."""
+    (local) batch shard; every batch statistic is global over ``axis_name``. ``flips``: the
+    per-token routing flip share [B, N] (``routing_flip_share``), or None."""
     mask = batch["response_mask"]
     behavior = batch["behavior_logp"]
     denominator = behavior if spec.ratio_denominator == "rollout" else old_logp
@@ -203,10 +224,20 @@ def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_na
         )
         loss = loss + spec.kl_coef * kl.loss
         metrics["loss/kl_ref"] = kl.metrics["kl"]
-    if spec.needs_old:
+    # The shape of the ratio the loss sees: percentiles of |log r|, sequence maximum, ESS.
+    for name, value in losses.mismatch_shape(logp, denominator, mask, axis_name).items():
+        metrics[f"mismatch/{name}"] = value
+    if spec.decompose_mismatch:
+        parts = losses.mismatch_decomposition(logp, old_logp, behavior, mask, axis_name)
+        for key, value in parts.items():
+            part, stat = key.split("/")
+            metrics[f"mismatch/{part}" + ("" if stat == "mean" else f"_{stat}")] = value
+    elif spec.needs_old:
         # Engine mismatch alone: trainer recompute vs engine log-probs of the same version.
         engine = losses.mismatch_metrics(old_logp, behavior, mask, axis_name=axis_name)
         metrics["mismatch/engine"] = engine["mismatch"]
+    if flips is not None:
+        metrics["routing/flip_rate"] = losses.aggregate(flips, mask, "token-mean", axis_name)
     metrics["train/entropy"] = losses.aggregate(entropy, mask, "token-mean", axis_name)
     return loss, metrics
 
@@ -296,6 +327,7 @@ def make_train_step(
             batch,
             spec,
             axis_name,
+            local["flips"],
         )
 
     def train(share, params, opt_state, count, batch, extra):
@@ -323,6 +355,7 @@ def make_train_step(
             local["logp"], local["entropy"], aux = _logprobs(
                 graphdef, p, batch, spec, prompt_width, share
             )
+            local["flips"] = routing_flip_share(aux["router_top_k"], batch.routing, prompt_width)
             loss, metrics = smap(local, loss_fields)
             if spec.router_aux:  # the model's Switch loss, over the global batch
                 loss = loss + aux["aux_loss"]

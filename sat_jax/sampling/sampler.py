@@ -117,6 +117,8 @@ class SampleOutput(NamedTuple):
 _JIT_CACHE: collections.OrderedDict = collections.OrderedDict()
 _JIT_CACHE_SIZE = 16
 _JIT_CACHE_LOCK = threading.Lock()
+# fold_in tag of the router-noise stream of a rollout key (the sampling draws use fold_in(key, i)).
+_ROUTER_NOISE_STREAM = 0x6E6F6973
 
 
 def _shared_jit(sampler):
@@ -126,6 +128,7 @@ def _shared_jit(sampler):
         sampler.max_new_tokens,
         sampler.eos_id,
         sampler.pad_id,
+        sampler.router_noise,
     )
     with _JIT_CACHE_LOCK:
         if key in _JIT_CACHE:
@@ -151,7 +154,12 @@ class Sampler:
       eos_id: end-of-sequence id; the sequence stops after sampling it.
       pad_id: id written after EOS (masked out everywhere).
       dtype: engine compute dtype (default ``config.dtype``). ``jnp.bfloat16`` against a float32
-        trainer reproduces the paper's engine mismatch, routing flips included.
+        trainer reproduces the paper's engine mismatch, routing flips included; ``jnp.float16``
+        is the other half-precision engine.
+      router_noise: std ≥ 0 of Gaussian noise added to every MoE router's logits before the
+        engine picks its top-k (the gates keep the clean logits; ``MoE``), drawn from the
+        rollout key, so a fixed key gives the same rollouts. Routing mismatch against the
+        trainer without a change of precision; 0 (default) adds nothing.
 
     Usage::
 
@@ -177,7 +185,15 @@ class Sampler:
         eos_id: int,
         pad_id: int = 0,
         dtype=None,
+        router_noise: float = 0.0,
     ):
+        if (
+            isinstance(router_noise, bool)
+            or not isinstance(router_noise, (int, float, np.floating, np.integer))
+            or not np.isfinite(router_noise)
+            or router_noise < 0
+        ):
+            raise ValueError(f"router_noise must be a finite float >= 0, got {router_noise!r}")
         if max_prompt_len < 1 or max_new_tokens < 1:
             raise ValueError(
                 f"max_prompt_len and max_new_tokens must be ≥ 1, got {max_prompt_len}, "
@@ -191,6 +207,7 @@ class Sampler:
         self.max_prompt_len = int(max_prompt_len)
         self.max_new_tokens = int(max_new_tokens)
         self.eos_id, self.pad_id = int(eos_id), int(pad_id)
+        self.router_noise = float(router_noise)
         self._prefill, self._decode = _shared_jit(self)
 
     # ------------------------------------------------------------------ public API
@@ -280,6 +297,14 @@ class Sampler:
 
     # ------------------------------------------------------------------ internals
 
+    def _noise(self, key, index):
+        """``(key, std)`` of the router noise of one forward (prefill: index N, decode step i:
+        index i), from a stream of the rollout key apart from the sampling draws; None at 0."""
+        if self.router_noise == 0.0:
+            return None
+        stream = jax.random.fold_in(key, _ROUTER_NOISE_STREAM)
+        return jax.random.fold_in(stream, index), self.router_noise
+
     def _layout(self, prompts, prompt_lengths):
         """Host-side validation and left-alignment into [B, P + N] (fixed shapes: no recompiles)."""
         _checks.check_rank("prompts", prompts, 2)
@@ -347,6 +372,7 @@ class Sampler:
                 cache_index=0,
                 kv_mask=first_mask,
                 logits_from=p - 2,
+                router_noise=self._noise(key, n),
             )
             cache = jax.tree.map(lambda a: jnp.repeat(a, group, axis=1), out.cache)
             routing = routing.at[:, :, : p - 1].set(jnp.repeat(out.routing, group, axis=1))
@@ -383,6 +409,7 @@ class Sampler:
                 cache=s.cache,
                 cache_index=slot,
                 kv_mask=s.input_mask,
+                router_noise=self._noise(s.key, s.step),
             )
             sp = s.sampling
             scaled = scale_logits(out.logits[:, 0], sp.temperature)  # [B, V]

@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 
 from sat_jax import config as config_lib
+from sat_jax.config.presets import PRESETS
 
 #: Method name -> (objective, R3, correction): the paper's grid (Table 1), as in configs/.
 METHODS: dict[str, tuple[str, bool, str]] = {
@@ -68,6 +69,11 @@ class Grid:
     lrs: tuple[float, ...] | None = None
     seeds: int = 3
     description: str = ""
+    #: (treatment, control): the pre-registered comparison whose lag interaction results.md tests
+    #: (``sat_jax.study.stats.primary_tests``); None for exploratory grids.
+    primary: tuple[str, str] | None = None
+    #: The base run every method is swapped into (``sat_jax.config.presets.PRESETS``).
+    preset: str = "default"
 
 
 GRIDS: dict[str, Grid] = {
@@ -107,6 +113,18 @@ GRIDS: dict[str, Grid] = {
         lags=(1, 2, 4, 8),
         lrs=(1e-4, 3e-4, 1e-3),
         description="SAT's operating envelope: GRPO and SAT-GRPO over learning rate × lag",
+    ),
+    "stale-phase0": Grid(
+        "stale-phase0",
+        ("grpo", "sat_grpo"),
+        baseline="grpo",
+        lags=(1, 8),
+        lrs=(1e-4, 3e-4, 1e-3),
+        seeds=1,
+        preset="stale",
+        description="phase 0 of the staleness study (calibration, one seed): GRPO and SAT-GRPO "
+        "on the long-response testbed over learning rate × lag; the setting is chosen by "
+        "sat_jax.study.calibration's manipulation checks, not by SAT's accuracy",
     ),
 }
 
@@ -251,12 +269,17 @@ def resolve(
     return grid
 
 
-def method_config(method: str):
-    """The default run with ``method`` swapped in (``configs/<method>.py``'s config)."""
+def method_config(method: str, preset: str = "default"):
+    """The ``preset`` base run with ``method`` swapped in (for ``default``, the config of
+    ``configs/<method>.py``)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {sorted(METHODS)}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     objective, r3, correction = METHODS[method]
-    return config_lib.method_config(method, objective, r3=r3, correction=correction)
+    return config_lib.method_config(
+        method, objective, r3=r3, correction=correction, base=PRESETS[preset]
+    )
 
 
 def expand(
@@ -285,7 +308,7 @@ def expand(
     for method, lag in itertools.product(grid.methods, grid.lags):
         for lr_choice in grid.lrs or (None,):
             for seed in range(grid.seeds):
-                c = method_config(method)
+                c = method_config(method, grid.preset)
                 for item in overrides:
                     apply_override(c, item)
                 lr = float(c.optim.learning_rate if lr_choice is None else lr_choice)

@@ -9,7 +9,7 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sat_jax.run.metrics import read_metrics
@@ -32,6 +32,8 @@ CSV_COLUMNS = (
     "final",
     "final_step",
     "collapsed",
+    "tail20",
+    "collapse_step",
     "mismatch_t25",
     "q_t25",
     "binding_t25",
@@ -204,6 +206,8 @@ def _plots(out_dir: str, grid: Grid, traces) -> list[str]:
         for key, stem, title, smoothed in (
             (stats.PASS, "accuracy", "held-out pass@1", False),
             ("loss/mismatch", "mismatch", "d̄_π (moving average)", True),
+            (stats.TRAILING["q"], "q", "SAT's q (moving average)", True),
+            (stats.TRAILING["binding"], "binding", "SAT's binding rate (moving average)", True),
         ):
             path = study_plots.plot_trajectories(
                 sub,
@@ -329,6 +333,8 @@ def _markdown(
         ),
         "",
     ]
+    if grid.primary:
+        lines += _primary_section(rows, *grid.primary)
     pairs = stats.paired_rows(rows, grid.baseline)
     if pairs:
         lines += [
@@ -416,6 +422,80 @@ def _markdown(
         lines.append("")
     lines += ["Per-run numbers: `results.csv` (one row per run; `status` partial = not finished)."]
     return "\n".join(lines) + "\n"
+
+
+def _p(test: Mapping[str, Any]) -> str:
+    return f"{test['p']:.3g}"
+
+
+def _primary_section(rows, treatment: str, control: str) -> list[str]:
+    """The pre-registered tests (docs/results/stale/PROTOCOL.md): per-arm endpoint and collapse
+    table, the lag interaction of each arm against the control, McNemar on collapses."""
+    t, c = _label(treatment), _label(control)
+    lines = [
+        "## Pre-registered tests",
+        "",
+        "Endpoint **tail20**: held-out pass@1 averaged over the last 20% of evaluations. "
+        f"Collapse: {stats.SUSTAINED_RULE.describe()}.",
+        "",
+        stats.markdown_table(
+            ["arm", "lag", "lr", "n", "tail20 (mean ± sd)", "collapses", "collapse steps"],
+            [
+                [
+                    _label(a["method"]),
+                    a["lag"],
+                    f"{a['lr']:g}",
+                    a["n"],
+                    stats.fmt_pm(a["tail20"], a["tail20_sd"]),
+                    f"{a['collapses']}/{a['n']}",
+                    ", ".join(map(str, a["collapse_steps"])) or "–",
+                ]
+                for a in stats.arm_summary(rows)
+            ],
+        ),
+        "",
+        f"**Primary test**: the interaction ({t} − {c} at the high lag) − ({t} − {c} at the low "
+        "lag), per seed, on tail20: mean, paired 95% t interval, seeds > 0, and the exact "
+        "Wilcoxon signed-rank p. The other arms get the same test against the control "
+        "(secondary, as are the exact McNemar tests of collapse against the control).",
+        "",
+    ]
+    table = []
+    for e in stats.primary_tests(rows, treatment, control):
+        lo, hi = e["lags"]
+        table.append(
+            [
+                ("**" + _label(e["method"]) + "** (primary)")
+                if e["primary"]
+                else _label(e["method"]),
+                f"{e['lr']:g}",
+                f"{lo} → {hi}",
+                stats.fmt_paired(e["diff_lo"]),
+                stats.fmt_paired(e["diff_hi"]),
+                stats.fmt_paired(e["interaction"]),
+                _p(e["interaction"]["wilcoxon"]),
+                f"{e['mcnemar_lo']['b']}/{e['mcnemar_lo']['c']}, p {_p(e['mcnemar_lo'])}",
+                f"{e['mcnemar_hi']['b']}/{e['mcnemar_hi']['c']}, p {_p(e['mcnemar_hi'])}",
+            ]
+        )
+    lines += [
+        stats.markdown_table(
+            [
+                "arm",
+                "lr",
+                "lags",
+                f"− {c}, low lag",
+                f"− {c}, high lag",
+                "interaction [95% CI]",
+                "Wilcoxon p",
+                "collapse only arm / only control, low lag",
+                "collapse only arm / only control, high lag",
+            ],
+            table,
+        ),
+        "",
+    ]
+    return lines
 
 
 def _can_act(cell) -> str:

@@ -170,6 +170,8 @@ def summarize_run(
       training steps (at least one step) of that metric; NaN where the run does not log it
       (``q`` and ``binding`` exist only for SAT objectives).
     * ``steps``: training steps logged; ``collapsed``: ``rule(base, best, final)``.
+    * ``tail20``: :func:`tail_mean` (the last 20% of evaluations); ``collapse_step``: the step
+      :data:`SUSTAINED_RULE` finds the run collapsed at, or None.
     """
     if not 0 < trailing <= 1:
         raise ValueError(f"trailing must be in (0, 1], got {trailing}")
@@ -202,6 +204,8 @@ def summarize_run(
         values = [v for s, v in _by_step(records, key).items() if s in window and math.isfinite(v)]
         out[f"{name}_t25"] = float(np.mean(values)) if values else math.nan
     out["collapsed"] = rule(base, best, final)
+    out["tail20"] = tail_mean(records, 0.2)
+    out["collapse_step"] = SUSTAINED_RULE.step(records)
     return out
 
 
@@ -429,3 +433,222 @@ def write_csv(path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -
                     for k in columns
                 }
             )
+
+
+# ---------------------------------------------------------------------------------------------
+# The pre-registered staleness study (docs/results/stale/PROTOCOL.md): its endpoint, its collapse
+# rule and its tests.
+
+
+def tail_mean(records: Sequence[Mapping[str, Any]], share: float = 0.2, key: str = PASS) -> float:
+    """Mean of the last ``share`` of a run's evaluations after step 0 (at least one): the study's
+    primary endpoint, less noisy than the last evaluation alone. NaN without evaluations."""
+    if not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1], got {share}")
+    evals = [v for s, v in sorted(_by_step(records, key).items()) if s > 0 and math.isfinite(v)]
+    if not evals:
+        return math.nan
+    return float(np.mean(evals[-max(1, math.ceil(share * len(evals))) :]))
+
+
+@dataclasses.dataclass(frozen=True)
+class SustainedCollapse:
+    """A run *collapses* at evaluation step t when it has lost at least ``loss_share`` of its gain
+    over the base policy and stays there for at least ``hold`` steps.
+
+    With base b (the step-0 evaluation) and running best p_t (the highest evaluation in (0, t]),
+    the gain at t is g_t = p_t − b and the floor is f_t = b + (1 − loss_share)·g_t. The run
+    collapses at the first t with g_t ≥ ``min_gain``, v_t ≤ f_t, an evaluation at or after
+    t + ``hold``, and every evaluation in [t, t + hold] at or below f_t. ``min_gain`` keeps
+    evaluation noise around a run that never improved from counting as a collapse.
+    """
+
+    loss_share: float = 0.5
+    hold: int = 50
+    min_gain: float = 0.05
+
+    def __post_init__(self):
+        if not 0 < self.loss_share <= 1:
+            raise ValueError(f"loss_share must be in (0, 1], got {self.loss_share}")
+        if self.hold < 0 or self.min_gain < 0:
+            raise ValueError(f"hold and min_gain must be >= 0, got {self.hold}, {self.min_gain}")
+
+    def step(self, records: Sequence[Mapping[str, Any]], key: str = PASS) -> int | None:
+        """The collapse step, or None if the run did not collapse (or has no base evaluation)."""
+        evals = sorted((s, v) for s, v in _by_step(records, key).items() if math.isfinite(v))
+        base = dict(evals).get(0)
+        if base is None:
+            return None
+        later = [(s, v) for s, v in evals if s > 0]
+        peak = -math.inf
+        for i, (t, v) in enumerate(later):
+            peak = max(peak, v)
+            gain = peak - base
+            floor = base + (1 - self.loss_share) * gain
+            if gain < self.min_gain or v > floor:
+                continue
+            window = [(s, w) for s, w in later[i:] if s <= t + self.hold]
+            if later[-1][0] >= t + self.hold and all(w <= floor for _, w in window):
+                return t
+        return None
+
+    def describe(self) -> str:
+        return (
+            f"a run **collapses** at the first evaluation where it has lost at least "
+            f"{self.loss_share:.0%} of its gain over the base policy (gain = best held-out pass@1 "
+            f"so far − the step-0 evaluation, at least {self.min_gain:g}) and stays at or below "
+            f"that level for at least {self.hold} steps (every evaluation in the window, the "
+            "run reaching its end)"
+        )
+
+
+def wilcoxon_signed_rank(d: Sequence[float]) -> dict[str, Any]:
+    """Two-sided Wilcoxon signed-rank test of ``d`` (paired differences) against 0.
+
+    Zeros are dropped (Wilcoxon's convention); tied |d| take their average rank. W+ is the sum
+    of the ranks of the positive differences. For n ≤ 20 non-zero differences the p-value is
+    exact, from the null distribution of W+ over all 2^n sign assignments of the observed ranks
+    (ties included); above, the normal approximation with the tie-corrected variance.
+
+    Returns ``n`` (non-zero differences), ``w_plus`` and ``p`` (1.0 for n = 0).
+    """
+    x = np.asarray([v for v in d if math.isfinite(v)], np.float64)
+    x = x[x != 0]
+    n = int(x.size)
+    if n == 0:
+        return {"n": 0, "w_plus": 0.0, "p": 1.0}
+    a = np.abs(x)
+    order = np.argsort(a, kind="stable")
+    ranks = np.empty(n, np.float64)
+    i = 0
+    while i < n:  # average ranks over runs of ties
+        j = i
+        while j + 1 < n and a[order[j + 1]] == a[order[i]]:
+            j += 1
+        ranks[order[i : j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    w_plus = float(ranks[x > 0].sum())
+    mean = float(ranks.sum()) / 2
+    if n <= 20:
+        twice = np.rint(2 * ranks).astype(np.int64)  # integer support (half ranks exist)
+        dist = np.zeros(int(twice.sum()) + 1, np.float64)
+        dist[0] = 1.0
+        for r in twice:
+            shifted = np.zeros_like(dist)
+            shifted[r:] = dist[: dist.size - r]
+            dist = 0.5 * (dist + shifted)
+        support = np.arange(dist.size) / 2
+        p = float(dist[np.abs(support - mean) >= abs(w_plus - mean) - 1e-9].sum())
+    else:
+        var = float((ranks**2).sum()) / 4
+        z = abs(w_plus - mean) / math.sqrt(var)
+        p = math.erfc(z / math.sqrt(2))
+    return {"n": n, "w_plus": w_plus, "p": min(1.0, p)}
+
+
+#: The staleness study's collapse rule (docs/results/stale/PROTOCOL.md).
+SUSTAINED_RULE = SustainedCollapse()
+
+
+def mcnemar_exact(x: Mapping[int, bool], y: Mapping[int, bool]) -> dict[str, Any]:
+    """Exact two-sided McNemar test on paired booleans (e.g. collapsed?) over the common seeds:
+    ``b`` seeds with x and not y, ``c`` with y and not x; p = min(1, 2·P(B ≤ min(b, c))) for
+    B ~ Binomial(b + c, ½) (1.0 when b + c = 0)."""
+    seeds = sorted(set(x) & set(y))
+    b = sum(bool(x[s]) and not bool(y[s]) for s in seeds)
+    c = sum(bool(y[s]) and not bool(x[s]) for s in seeds)
+    m = b + c
+    tail = sum(math.comb(m, k) for k in range(min(b, c) + 1)) / 2**m if m else 1.0
+    return {"n": len(seeds), "b": b, "c": c, "p": min(1.0, 2 * tail) if m else 1.0}
+
+
+def interaction(
+    method_hi: Mapping[int, float],
+    base_hi: Mapping[int, float],
+    method_lo: Mapping[int, float],
+    base_lo: Mapping[int, float],
+    *,
+    level: float = 0.95,
+) -> dict[str, Any]:
+    """The study's primary test: per seed s, the difference-in-differences
+
+        d_s = (method − base at the high lag) − (method − base at the low lag),
+
+    over the seeds all four runs have: :func:`paired`'s mean, sd, Student-t interval and count of
+    d_s > 0, with ``wilcoxon`` (:func:`wilcoxon_signed_rank` of the d_s)."""
+    seeds = set(method_hi) & set(base_hi) & set(method_lo) & set(base_lo)
+    hi = {s: method_hi[s] - base_hi[s] for s in seeds}
+    lo = {s: method_lo[s] - base_lo[s] for s in seeds}
+    out = paired(hi, lo, level=level)
+    out["wilcoxon"] = wilcoxon_signed_rank([hi[s] - lo[s] for s in out["seeds"]])
+    return out
+
+
+def _collapsed(rows, method: str, lag: int, lr: float) -> dict[int, bool]:
+    return {
+        int(r["seed"]): r.get("collapse_step") not in (None, "")
+        for r in rows
+        if r["method"] == method and int(r["lag"]) == lag and float(r["lr"]) == lr
+    }
+
+
+def primary_tests(
+    rows: Sequence[Mapping[str, Any]], treatment: str, control: str, *, key: str = "tail20"
+) -> list[dict[str, Any]]:
+    """Per learning rate and each method of ``rows`` other than ``control``: the interaction of
+    (method − control) between the lowest and the highest lag on ``key`` (:func:`interaction`),
+    and exact McNemar tests of sustained collapse (``collapse_step`` set) against ``control`` at
+    each of the two lags. The entry of ``treatment`` comes first and has ``primary`` True."""
+    out = []
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != control))
+    methods.sort(key=lambda m: m != treatment)
+    for lr in sorted({float(r["lr"]) for r in rows}):
+        lags = sorted({int(r["lag"]) for r in rows if float(r["lr"]) == lr})
+        if len(lags) < 2:
+            continue
+        lo, hi = lags[0], lags[-1]
+        for m in methods:
+            x = {lag: by_seed(rows, m, lag, lr, key) for lag in (lo, hi)}
+            c = {lag: by_seed(rows, control, lag, lr, key) for lag in (lo, hi)}
+            out.append(
+                {
+                    "method": m,
+                    "primary": m == treatment,
+                    "lr": lr,
+                    "lags": (lo, hi),
+                    "interaction": interaction(x[hi], c[hi], x[lo], c[lo]),
+                    "diff_lo": paired(x[lo], c[lo]),
+                    "diff_hi": paired(x[hi], c[hi]),
+                    **{
+                        f"mcnemar_{name}": mcnemar_exact(
+                            _collapsed(rows, m, lag, lr), _collapsed(rows, control, lag, lr)
+                        )
+                        for name, lag in (("lo", lo), ("hi", hi))
+                    },
+                }
+            )
+    return out
+
+
+def arm_summary(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per (method, lag, lr): seeds, tail20 mean ± sd, sustained collapses and their steps."""
+    out = []
+    for (method, mode, lag, lr), group in cells(rows).items():
+        steps = sorted(
+            int(r["collapse_step"]) for r in group if r.get("collapse_step") not in (None, "")
+        )
+        mean, sd, n = mean_sd(r.get("tail20", math.nan) for r in group)
+        out.append(
+            {
+                "method": method,
+                "lag_mode": mode,
+                "lag": lag,
+                "lr": lr,
+                "n": len(group),
+                "tail20": mean,
+                "tail20_sd": sd,
+                "collapses": len(steps),
+                "collapse_steps": steps,
+            }
+        )
+    return out

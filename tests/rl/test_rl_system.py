@@ -108,6 +108,50 @@ def test_lag_bookkeeping_is_exact(mode, lag, correction, tmp_path, cache_dir, mo
     assert ("mismatch/engine" in hist[0]) == (correction == "tis")  # KPop needs no recompute
 
 
+def test_sampled_lag_float16_engine_and_router_noise_run_end_to_end(tmp_path, cache_dir):
+    """Heterogeneous lag, a float16 engine and engine router noise through the learner: every
+    step's realized lags are exactly the groups' drawn lags (each row has at least one token),
+    and the noisy engine's routing differs from the trainer's."""
+    config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
+    config.lag_mode, config.lag, config.lag_dist, config.lag_cap = "sampled", 2, "zipf", 3
+    config.rollout.dtype, config.rollout.router_noise = "float16", 1.0
+    config.num_steps = 4
+    hist = learner.train(config, quiet=True)["history"]
+    schedule = learner.LagSchedule("sampled", 2, "zipf", 3)
+    for j, h in enumerate(hist):
+        lags = j - schedule.group_versions(j, config.rollout.prompts_per_step, config.seed)
+        assert (h["lag/min"], h["lag/max"]) == (lags.min(), lags.max()), (j, h, lags)
+        assert h["rollout/versions"] == len(set(lags.tolist()))
+        assert h["snapshots/versions"] <= schedule.capacity
+        assert np.isfinite(h["loss/total"]) and np.isfinite(h["mismatch/p99"])
+    assert max(h["routing/flip_rate"] for h in hist) > 0
+
+
+def test_decomposed_mismatch_adds_up_in_the_learner(tmp_path, cache_dir):
+    """log.decompose_mismatch with fixed lag 2: steps 0-2 train on version-0 rollouts, so at
+    step 0 (θ = θ_0) the staleness part is exactly 0 and the engine part is all of log r; by
+    step 2 the policy has moved and staleness is positive."""
+    config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
+    config.lag_mode, config.lag, config.num_steps = "fixed", 2, 3
+    config.log.decompose_mismatch = True
+    # The router's load-balancing loss moves the policy even when a toy batch has no reward
+    # signal (all-equal groups, zero advantages).
+    config.model.router_aux_loss_coef, config.optim.learning_rate = 1.0, 3e-3
+    hist = learner.train(config, quiet=True)["history"]
+    first, last = hist[0], hist[-1]
+    assert first["mismatch/staleness"] == first["mismatch/staleness_max"] == 0.0
+    np.testing.assert_allclose(first["mismatch/engine"], first["loss/mismatch"], rtol=1e-5)
+    for stat in ("p50", "p90", "p99", "max", "seq_sum_max", "ess"):
+        np.testing.assert_allclose(
+            first[f"mismatch/engine_{stat}"],
+            first[f"mismatch/{stat}"],
+            rtol=1e-5,
+            atol=1e-7,
+            err_msg=stat,
+        )
+    assert last["mismatch/staleness"] > 0
+
+
 def test_separate_rollout_device(tmp_path, cache_dir):
     """A rollout device apart from the trainer mesh (the paper's split pools), on one host."""
     config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)

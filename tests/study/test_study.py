@@ -4,6 +4,7 @@ paired statistics against hand-computed cases, the tables and results files, the
 step's key, and the command line's errors (exit 2 before anything runs)."""
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import math
@@ -15,6 +16,7 @@ from _study_cli import invoke
 
 from sat_jax import cli
 from sat_jax import config as config_lib
+from sat_jax.config import presets
 from sat_jax.rl import components
 from sat_jax.study import grid as study_grid
 from sat_jax.study import report, runner, stats
@@ -41,6 +43,19 @@ def test_paper_core_envelope_sizes_and_names(tmp_path):
     assert c.resume is True
     core = {spec.method for spec, _ in study_grid.expand(study_grid.resolve("core"), "x")}
     assert core == {"grpo_r3", "gspo_r3", "dppo", "sat_grpo_r3", "sat_gspo_r3"}
+
+
+def test_a_preset_grid_starts_every_run_from_its_preset(tmp_path):
+    runs = study_grid.expand(study_grid.resolve("stale-phase0"), str(tmp_path))
+    assert len(runs) == 2 * 2 * 3 * 1  # grpo, sat_grpo × lags 1, 8 × 3 lrs × 1 seed
+    base = presets.stale_base()
+    for spec, c in runs:
+        assert c.data.task == base.data.task == "long_multiplication"
+        assert c.model.num_experts == base.model.num_experts and c.loss.r3 is False
+        assert c.loss.objective == {"grpo": "ppo", "sat_grpo": "sat"}[spec.method]
+        assert c.name == spec.method and c.optim.learning_rate == spec.lr
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        study_grid.method_config("grpo", "nope")
 
 
 @pytest.mark.parametrize(
@@ -312,6 +327,7 @@ def test_summarize_run_hand_computed():
     assert s["mismatch_t25"] == pytest.approx(0.75) and s["q_t25"] == pytest.approx(7.5)
     assert s["binding_t25"] == pytest.approx(0.065) and s["lag_t25"] == pytest.approx(0.5)
     assert s["steps"] == 8 and s["collapsed"] is False
+    assert s["tail20"] == pytest.approx(0.55) and s["collapse_step"] is None  # 1 of 2 evals
     plain = stats.summarize_run(records({0: 0.2, 4: 0.1}, [0.1, 0.2]))
     assert math.isnan(plain["q_t25"]) and plain["collapsed"] is True
     assert plain["mismatch_t25"] == pytest.approx(0.2)  # ceil(0.25 · 2) = 1 step
@@ -379,8 +395,34 @@ def test_results_files_from_a_fake_study(tmp_path):
     assert {os.path.basename(p) for p in out["plots"]} == {
         "accuracy.png",
         "mismatch.png",
+        "q.png",
+        "binding.png",
         "envelope.png",
     }
+
+
+def test_pre_registered_section_tests_the_lag_interaction(tmp_path):
+    finals = {
+        ("grpo", 1): [0.5, 0.6, 0.7],
+        ("grpo", 8): [0.4, 0.4, 0.5],
+        ("sat_grpo", 1): [0.5, 0.6, 0.8],
+        ("sat_grpo", 8): [0.5, 0.5, 0.7],
+    }
+    g, runs = _fake_study(tmp_path, finals)
+    g = dataclasses.replace(g, primary=("sat_grpo", "grpo"))
+    out = report.write(
+        str(tmp_path), g, runs, command="c", lag_mode="broadcast", overrides=[], plots=False
+    )
+    # tail20 = the last of 2 evaluations = final. Interaction per seed:
+    # (sat8 − grpo8) − (sat1 − grpo1) = (0.1, 0.1, 0.2) − (0, 0, 0.1) = (0.1, 0.1, 0.1).
+    (e,) = stats.primary_tests(out["rows"], "sat_grpo", "grpo")
+    assert e["primary"] and e["lags"] == (1, 8)
+    assert e["interaction"]["mean"] == pytest.approx(0.1) and e["interaction"]["wins"] == 3
+    assert e["interaction"]["wilcoxon"]["p"] == pytest.approx(2 / 8)
+    assert e["mcnemar_hi"] == {"n": 3, "b": 0, "c": 0, "p": 1.0}
+    md = open(out["md"]).read()
+    assert "## Pre-registered tests" in md and "**SAT-GRPO** (primary)" in md
+    assert "| SAT-GRPO | 8 | 0.0001 | 3 | 0.567 ± 0.115 | 0/3 | – |" in md
 
 
 # --------------------------------------------------------------------------- shared train step

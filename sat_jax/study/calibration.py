@@ -1,0 +1,230 @@
+"""Phase 0 of the staleness study: manipulation checks that choose the study's setting before any
+counted run, from the mismatch a setting produces and the harm staleness does to the baseline,
+never from how SAT fares against it.
+
+A *setting* is one study directory of single-seed ``sat-jax compare --grid`` runs (its knobs are
+the ``--set`` overrides it was run with) at one learning rate, holding the baseline and the SAT
+method at a low and a high lag. It passes when all four checks hold:
+
+1. **harm**: the baseline at the high lag ends lower than at the low lag (mean held-out pass@1 over
+   the last 20% of evaluations, ``tail20``, lower by at least :data:`HARM_MARGIN`), or collapses
+   (``collapse_step`` set: :class:`sat_jax.study.stats.SustainedCollapse`);
+2. **mismatch in range**: the baseline's d̄_π at the high lag (trailing 25% of steps) lies in
+   :data:`MISMATCH_RANGE`, the paper's regime;
+3. **SAT can act**: SAT's quantile q at the high lag is below log(1 + ε_high), where its upper
+   contraction can bind at all;
+4. **SAT binds**: SAT's binding rate at the high lag is at least :data:`BINDING_MIN` of active
+   tokens.
+
+Among passing settings the one chosen has the highest binding rate (ties: the lower learning
+rate). SAT's own accuracy is not read here.
+
+    python -m sat_jax.study.calibration --baseline grpo --sat sat_grpo \\
+        --out docs/results/stale/phase0.md studies/phase0/*
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sat_jax.study import stats
+
+HARM_MARGIN = 0.02
+MISMATCH_RANGE = (0.01, 0.05)
+BINDING_MIN = 0.03
+
+_FLOATS = ("lr", "tail20", "mismatch_t25", "q_t25", "binding_t25", "reward_t25", "final", "base")
+
+
+def read_rows(study_dir: str) -> list[dict[str, Any]]:
+    """The rows of ``study_dir/results.csv`` with numbers parsed (empty cells: NaN / None)."""
+    path = os.path.join(study_dir, "results.csv")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no results.csv in {study_dir} (run sat-jax compare --grid first)")
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for k in _FLOATS:
+            r[k] = float(r[k]) if r.get(k) not in (None, "") else math.nan
+        r["lag"] = int(r["lag"])
+        r["collapse_step"] = int(r["collapse_step"]) if r.get("collapse_step") else None
+    return rows
+
+
+def _one(rows, method: str, lag: int, lr: float) -> Mapping[str, Any] | None:
+    found = [r for r in rows if r["method"] == method and r["lag"] == lag and r["lr"] == lr]
+    return found[0] if found else None
+
+
+def checks(
+    setting: str,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    baseline: str,
+    sat: str,
+    eps_high: float = 0.2,
+) -> list[dict[str, Any]]:
+    """One entry per learning rate of ``rows`` that has the baseline at two lags: the numbers
+    the checks read and whether each holds (None where a run is missing)."""
+    out = []
+    for lr in sorted({r["lr"] for r in rows}):
+        lags = sorted({r["lag"] for r in rows if r["method"] == baseline and r["lr"] == lr})
+        if len(lags) < 2:
+            continue
+        lo, hi = lags[0], lags[-1]
+        b_lo, b_hi = _one(rows, baseline, lo, lr), _one(rows, baseline, hi, lr)
+        s_lo, s_hi = _one(rows, sat, lo, lr), _one(rows, sat, hi, lr)
+        drop = b_lo["tail20"] - b_hi["tail20"]
+        collapsed = b_hi["collapse_step"] is not None and b_lo["collapse_step"] is None
+        mismatch = b_hi["mismatch_t25"]
+        q = s_hi["q_t25"] if s_hi else math.nan
+        binding = s_hi["binding_t25"] if s_hi else math.nan
+        entry = {
+            "setting": setting,
+            "lr": lr,
+            "lags": (lo, hi),
+            "base_tail20": (b_lo["tail20"], b_hi["tail20"]),
+            "base_collapse": (b_lo["collapse_step"], b_hi["collapse_step"]),
+            "mismatch": (b_lo["mismatch_t25"], mismatch),
+            "q": (s_lo["q_t25"] if s_lo else math.nan, q),
+            "binding": (s_lo["binding_t25"] if s_lo else math.nan, binding),
+            "harm": bool(drop >= HARM_MARGIN or collapsed),
+            "in_range": bool(MISMATCH_RANGE[0] <= mismatch <= MISMATCH_RANGE[1]),
+            "can_act": None if s_hi is None else bool(q < math.log1p(eps_high)),
+            "binds": None if s_hi is None else bool(binding >= BINDING_MIN),
+        }
+        entry["passes"] = all(entry[k] for k in ("harm", "in_range", "can_act", "binds"))
+        out.append(entry)
+    return out
+
+
+def choose(entries: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The passing entry with the highest SAT binding rate at the high lag (ties: lower lr)."""
+    passing = [e for e in entries if e["passes"]]
+    if not passing:
+        return None
+    return max(passing, key=lambda e: (e["binding"][1], -e["lr"]))
+
+
+def _mark(v) -> str:
+    return "–" if v is None else ("yes" if v else "no")
+
+
+def _pair(p, digits=3) -> str:
+    return f"{stats.fmt(p[0], digits)} / {stats.fmt(p[1], digits)}"
+
+
+def markdown(
+    entries: Sequence[Mapping[str, Any]], *, baseline: str, sat: str, command: str, eps_high: float
+) -> str:
+    from sat_jax.study.report import provenance
+
+    prov = provenance()
+    chosen = choose(entries)
+    lines = [
+        "# Staleness study, phase 0: the calibration map",
+        "",
+        f"Single-seed runs of `{baseline}` (the baseline) and `{sat}` at a low and a high lag, per "
+        "setting (a study directory: its knobs) and learning rate. The checks are "
+        "`sat_jax/study/calibration.py`'s: harm (baseline tail20 lower at the high lag by "
+        f"≥ {HARM_MARGIN}, or a sustained collapse), d̄_π at the high lag in "
+        f"[{MISMATCH_RANGE[0]}, {MISMATCH_RANGE[1]}], q < log(1 + {eps_high}) = "
+        f"{math.log1p(eps_high):.3f}, binding ≥ {BINDING_MIN:.0%}. SAT's accuracy is not shown "
+        "and was not used.",
+        "",
+        f"- command: `{command}`",
+        f"- commit: {prov['commit']}; JAX {prov['jax']}, Python {prov['python']}; {prov['host']}",
+        f"- written: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
+        "",
+    ]
+    headers = [
+        "setting",
+        "lr",
+        "lags",
+        "baseline tail20 lo / hi",
+        "collapse step lo / hi",
+        "d̄_π lo / hi",
+        "SAT q lo / hi",
+        "SAT binding lo / hi",
+        "harm",
+        "d̄_π in range",
+        "q < log(1+ε)",
+        "binds ≥ 3%",
+        "passes",
+    ]
+    table = [
+        [
+            e["setting"],
+            f"{e['lr']:g}",
+            f"{e['lags'][0]} / {e['lags'][1]}",
+            _pair(e["base_tail20"]),
+            " / ".join("–" if s is None else str(s) for s in e["base_collapse"]),
+            _pair(e["mismatch"], 4),
+            _pair(e["q"]),
+            " / ".join("–" if not math.isfinite(b) else f"{b:.2%}" for b in e["binding"]),
+            _mark(e["harm"]),
+            _mark(e["in_range"]),
+            _mark(e["can_act"]),
+            _mark(e["binds"]),
+            "**yes**" if e["passes"] else "no",
+        ]
+        for e in entries
+    ]
+    lines += [stats.markdown_table(headers, table), ""]
+    if chosen:
+        lines.append(
+            f"**Chosen**: setting `{chosen['setting']}` at lr {chosen['lr']:g} (lags "
+            f"{chosen['lags'][0]} and {chosen['lags'][1]}): every check holds, and its binding "
+            f"rate ({chosen['binding'][1]:.2%}) is the highest of the passing settings."
+        )
+    else:
+        lines.append(
+            "**No setting passes every check.** No phase-1 setting is chosen from this map."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("study_dirs", nargs="+", help="phase-0 study directories")
+    parser.add_argument("--baseline", required=True)
+    parser.add_argument("--sat", required=True)
+    parser.add_argument("--eps-high", type=float, default=0.2)
+    parser.add_argument("--out", required=True, help="markdown file to write")
+    args = parser.parse_args(argv)
+    entries = []
+    for d in args.study_dirs:
+        try:
+            rows = read_rows(d)
+        except FileNotFoundError as e:
+            print(f"calibration: {e}", file=sys.stderr)
+            return 2
+        entries += checks(
+            os.path.basename(os.path.normpath(d)),
+            rows,
+            baseline=args.baseline,
+            sat=args.sat,
+            eps_high=args.eps_high,
+        )
+    command = "python -m sat_jax.study.calibration " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    text = markdown(
+        entries, baseline=args.baseline, sat=args.sat, command=command, eps_high=args.eps_high
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

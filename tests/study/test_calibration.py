@@ -1,0 +1,101 @@
+"""Phase-0 manipulation checks (sat_jax/study/calibration.py) on hand-written results.csv rows."""
+
+import csv
+import math
+
+import pytest
+
+from sat_jax.study import calibration
+from sat_jax.study.report import CSV_COLUMNS
+
+
+def _write(d, rows):
+    d.mkdir(parents=True)
+    with open(d / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def _row(method, lag, lr, tail20, mismatch, q="", binding="", collapse=""):
+    return dict(
+        method=method,
+        lag=lag,
+        lr=lr,
+        tail20=tail20,
+        mismatch_t25=mismatch,
+        q_t25=q,
+        binding_t25=binding,
+        collapse_step=collapse,
+        lag_mode="broadcast",
+        seed=0,
+    )
+
+
+def test_checks_and_choice(tmp_path):
+    rows = [
+        # lr 1e-4: passes every check (drop 0.05, d̄_π 0.03, q 0.1 < 0.182, binding 5%).
+        _row("grpo", 1, 1e-4, 0.40, 0.01),
+        _row("grpo", 8, 1e-4, 0.35, 0.03),
+        _row("sat_grpo", 1, 1e-4, 0.9, 0.01, 0.05, 0.01),
+        _row("sat_grpo", 8, 1e-4, 0.1, 0.03, 0.10, 0.05),
+        # lr 3e-4: no drop but a sustained collapse at lag 8 counts as harm; q too large.
+        _row("grpo", 1, 3e-4, 0.40, 0.02),
+        _row("grpo", 8, 3e-4, 0.41, 0.04, collapse=150),
+        _row("sat_grpo", 1, 3e-4, 0.4, 0.02, 0.1, 0.02),
+        _row("sat_grpo", 8, 3e-4, 0.4, 0.04, 0.20, 0.06),
+        # lr 1e-3: d̄_π out of range; no SAT runs.
+        _row("grpo", 1, 1e-3, 0.40, 0.05),
+        _row("grpo", 8, 1e-3, 0.10, 0.12),
+    ]
+    _write(tmp_path / "bf16", rows)
+    entries = calibration.checks(
+        "bf16", calibration.read_rows(tmp_path / "bf16"), baseline="grpo", sat="sat_grpo"
+    )
+    by_lr = {e["lr"]: e for e in entries}
+    e = by_lr[1e-4]
+    assert (e["harm"], e["in_range"], e["can_act"], e["binds"], e["passes"]) == (
+        True,
+        True,
+        True,
+        True,
+        True,
+    )
+    assert e["base_tail20"] == (0.40, 0.35) and e["lags"] == (1, 8)
+    e = by_lr[3e-4]
+    assert e["harm"] is True and e["base_collapse"] == (None, 150)
+    assert e["can_act"] is False and e["passes"] is False  # 0.20 > log 1.2
+    e = by_lr[1e-3]
+    assert e["in_range"] is False and e["can_act"] is None and e["passes"] is False
+    assert math.isnan(e["q"][1])
+    assert calibration.choose(entries)["lr"] == 1e-4
+    assert calibration.choose([by_lr[3e-4]]) is None
+    md = calibration.markdown(entries, baseline="grpo", sat="sat_grpo", command="c", eps_high=0.2)
+    assert "**Chosen**: setting `bf16` at lr 0.0001" in md and "0.182" in md
+
+
+def test_choose_prefers_binding_then_the_lower_lr():
+    def e(lr, binding):
+        return {"passes": True, "lr": lr, "binding": (0.0, binding)}
+
+    assert calibration.choose([e(3e-4, 0.05), e(1e-4, 0.04)])["lr"] == 3e-4
+    assert calibration.choose([e(3e-4, 0.05), e(1e-4, 0.05)])["lr"] == 1e-4
+
+
+def test_cli_writes_the_map_and_refuses_a_missing_study(tmp_path, capsys):
+    _write(tmp_path / "s", [_row("grpo", 1, 1e-4, 0.4, 0.01), _row("grpo", 8, 1e-4, 0.4, 0.02)])
+    out = tmp_path / "phase0.md"
+    args = ["--baseline", "grpo", "--sat", "sat_grpo", "--out", str(out)]
+    assert calibration.main([*args, str(tmp_path / "s")]) == 0
+    assert "No setting passes every check" in out.read_text()
+    assert calibration.main([*args, str(tmp_path / "nope")]) == 2
+    assert "no results.csv in" in capsys.readouterr().err
+
+
+def test_read_rows_parses_empty_cells(tmp_path):
+    _write(tmp_path / "s", [_row("grpo", 1, 1e-4, "", 0.01)])
+    (r,) = calibration.read_rows(tmp_path / "s")
+    assert math.isnan(r["tail20"]) and r["collapse_step"] is None and r["lag"] == 1
+    with pytest.raises(FileNotFoundError):
+        calibration.read_rows(tmp_path / "nope")
