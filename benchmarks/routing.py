@@ -18,9 +18,9 @@ with the float32 trainer twice, routing afresh (no replay) and replaying the eng
   paper reports ≈ 0.0103 → ≈ 0.0058 on its 30B MoE);
 * the reward of the rollouts (the policy's pass@1 on those prompts) and response lengths.
 
-With ``--set rollout.dtype=float32`` the engine and trainer compute in the same precision (the
-flip rate should then be ≈ 0; the sampler's decode and the trainer's full forward still differ
-in reduction order).
+With ``--set rollout.dtype=float32`` the engine computes in the trainer's precision: the control
+for the dtype's share of the flips (the sampler's cached decode and the trainer's full forward
+still differ in reduction order).
 
 Usage: ``python benchmarks/routing.py [--config configs/stale_base.py] [--batches 4]
 [--set KEY=VALUE ...]``.
