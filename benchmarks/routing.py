@@ -6,19 +6,21 @@ of training prompts with the engine (``rollout.dtype``, bfloat16 by default), th
 with the float32 trainer twice, routing afresh (no replay) and replaying the engine's routing
 (R3, Eq. 40). Reports:
 
-* ``flip_rate``: share of token-layers whose trainer top-k expert *set* differs from the one
-  the engine recorded, over the fed positions that produce the response's log-probs (the
-  response-scoring slots, ``prompt_width - 1`` onwards, while the response lasts);
-  ``flip_rate_all_fed`` over every real fed token (prompt included); ``tokens_any_flip``: share
-  of response-scoring positions with a flip in at least one layer;
+* ``flip_rate_r3_off`` / ``flip_rate_r3_on``: share of token-layers whose trainer top-k expert
+  *set* (its own router's choice, ``aux["router_top_k"]``) differs from the one the engine
+  recorded, over response tokens (``trainer.routing_flip_share``, the trainer's per-step
+  diagnostic), in the forward without and with replay (under replay the trainer's own choice is
+  computed from replayed hidden states); ``flip_rate_all_fed`` (R3 off) over every real fed
+  token, prompt included; ``tokens_any_flip`` (R3 off): share of response tokens with a flip in
+  at least one layer;
 * ``d_pi_r3_off`` / ``d_pi_r3_on``: d̄_π = mean |log π_trainer − log μ| over response tokens,
   without and with routing replay (R3 removes the routing part of the engine mismatch; the
   paper reports ≈ 0.0103 → ≈ 0.0058 on its 30B MoE);
 * the reward of the rollouts (the policy's pass@1 on those prompts) and response lengths.
 
-With ``--set rollout.dtype=float32`` the engine and trainer compute in the same precision (the
-flip rate should then be ≈ 0; the sampler's decode and the trainer's full forward still differ
-in reduction order).
+With ``--set rollout.dtype=float32`` the engine computes in the trainer's precision: the control
+for the dtype's share of the flips (the sampler's cached decode and the trainer's full forward
+still differ in reduction order).
 
 Usage: ``python benchmarks/routing.py [--config configs/stale_base.py] [--batches 4]
 [--set KEY=VALUE ...]``.
@@ -27,6 +29,7 @@ Usage: ``python benchmarks/routing.py [--config configs/stale_base.py] [--batche
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -37,7 +40,9 @@ import numpy as np
 
 from sat_jax.config import validate
 from sat_jax.models import param_count, token_logprobs
+from sat_jax.models.moe import routing_flips
 from sat_jax.rl import components
+from sat_jax.rl.trainer import routing_flip_share
 from sat_jax.study.grid import apply_override
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,13 +53,6 @@ def load_config(path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
-
-
-def routing_flips(trainer_routing, engine_routing) -> np.ndarray:
-    """[L, B, T] bool: the two top-k expert sets differ (order within the set ignored)."""
-    a = np.sort(np.asarray(trainer_routing), axis=-1)
-    b = np.sort(np.asarray(engine_routing), axis=-1)
-    return np.any(a != b, axis=-1)
 
 
 def main() -> None:
@@ -72,23 +70,26 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     spec = parts.spec
 
-    @jax.jit
-    def score(params, tokens, input_mask, cutoffs, routing):
+    @functools.partial(jax.jit, static_argnums=2)
+    def score(params, out, replay: bool):
         logp, _, aux = token_logprobs(
             parts.graphdef,
             params,
-            tokens,
-            input_mask=input_mask,
-            response_start=config.data.max_prompt_len,
-            routing=routing,
-            cutoffs=cutoffs if spec.support_replay else None,
+            out.tokens,
+            input_mask=out.input_mask,
+            response_start=out.prompt_width,
+            routing=out.routing if replay else None,
+            cutoffs=out.cutoffs if spec.support_replay else None,
             temperature=spec.temperature,
         )
-        return logp, aux["routing"]
+        top_k = aux["router_top_k"]
+        per_token = routing_flip_share(top_k, out.routing, out.prompt_width)  # [B, N]
+        flips = routing_flips(top_k, out.routing)  # [L, B, P + N - 1]
+        return logp, per_token, flips
 
     engine, per = parts.engine, config.rollout.prompts_per_step
-    sums = dict(flips=0.0, flips_all=0.0, any_flip=0.0, off=0.0, on=0.0)
-    counts = dict(layers=0.0, layers_all=0.0, positions=0.0, tokens=0.0)
+    keys = ("flips_off", "flips_on", "flips_all", "any_flip", "d_off", "d_on", "tokens", "fed")
+    sums = dict.fromkeys(keys, 0.0)
     rewards, lengths = [], []
     t0 = time.perf_counter()
     for i in range(args.batches):
@@ -97,26 +98,19 @@ def main() -> None:
             parts.params, examples, jax.random.key(config.seed * 1000 + i), version=0
         )
         rewards.append(engine.score(examples, out).rewards)
-        tokens, input_mask = out.tokens, out.input_mask
-        logp_off, fresh = score(parts.params, tokens, input_mask, out.cutoffs, None)
-        logp_on, _ = score(parts.params, tokens, input_mask, out.cutoffs, out.routing)
         mu = np.asarray(out.behavior_logp)
         resp = np.asarray(out.response_mask, np.float64)
-        flips = routing_flips(fresh, out.routing)  # [L, B, T - 1]
-        p = out.prompt_width
-        scoring = np.zeros(flips.shape[1:], np.float64)  # slots p-1 .. predict the response
-        scoring[:, p - 1 :] = resp
-        fed = np.asarray(input_mask[:, :-1], np.float64)
-        layers = flips.shape[0]
-        sums["flips"] += float(np.sum(flips * scoring))
-        sums["flips_all"] += float(np.sum(flips * fed))
-        sums["any_flip"] += float(np.sum(flips.any(axis=0) * scoring))
-        sums["off"] += float(np.sum(np.abs(np.asarray(logp_off) - mu) * resp))
-        sums["on"] += float(np.sum(np.abs(np.asarray(logp_on) - mu) * resp))
-        counts["layers"] += layers * float(scoring.sum())
-        counts["layers_all"] += layers * float(fed.sum())
-        counts["positions"] += float(scoring.sum())
-        counts["tokens"] += float(resp.sum())
+        fed = np.asarray(out.input_mask[:, :-1], np.float64)
+        for replay, tag in ((False, "off"), (True, "on")):
+            logp, per_token, flips = (np.asarray(x) for x in score(parts.params, out, replay))
+            sums[f"flips_{tag}"] += float(np.sum(per_token * resp))
+            sums[f"d_{tag}"] += float(np.sum(np.abs(logp - mu) * resp))
+            if not replay:
+                sums["flips_all"] += float(np.sum(flips.mean(axis=0) * fed))
+                scoring = flips[:, :, out.prompt_width - 1 :].any(axis=0)
+                sums["any_flip"] += float(np.sum(scoring * resp))
+        sums["tokens"] += float(resp.sum())
+        sums["fed"] += float(fed.sum())
         lengths.append(np.asarray(out.response_lengths))
     lengths = np.concatenate(lengths)
     result = {
@@ -130,12 +124,13 @@ def main() -> None:
         "engine_dtype": config.rollout.dtype,
         "trainer_dtype": config.model.dtype,
         "sequences": int(len(lengths)),
-        "response_tokens": int(counts["tokens"]),
-        "flip_rate": sums["flips"] / max(counts["layers"], 1),
-        "flip_rate_all_fed": sums["flips_all"] / max(counts["layers_all"], 1),
-        "tokens_any_flip": sums["any_flip"] / max(counts["positions"], 1),
-        "d_pi_r3_off": sums["off"] / max(counts["tokens"], 1),
-        "d_pi_r3_on": sums["on"] / max(counts["tokens"], 1),
+        "response_tokens": int(sums["tokens"]),
+        "flip_rate_r3_off": sums["flips_off"] / max(sums["tokens"], 1),
+        "flip_rate_r3_on": sums["flips_on"] / max(sums["tokens"], 1),
+        "flip_rate_all_fed": sums["flips_all"] / max(sums["fed"], 1),
+        "tokens_any_flip": sums["any_flip"] / max(sums["tokens"], 1),
+        "d_pi_r3_off": sums["d_off"] / max(sums["tokens"], 1),
+        "d_pi_r3_on": sums["d_on"] / max(sums["tokens"], 1),
         "reward_mean": float(np.mean(np.concatenate(rewards))),
         "response_len_mean": float(lengths.mean()),
         "response_len_max": int(lengths.max()),

@@ -12,6 +12,9 @@ traces of which ``sft.corrupt_share`` have a wrong final answer, so RL starts fr
 policy with reward to gain; ``data.mixture`` keeps held-out pass@1 away from 0 and 1 so groups
 rarely score all-equal (``benchmarks/routing.py`` measures the routing flip rate).
 
+``stale_sort``: the same run on ``sort_digits`` (lists of 16, 24 and 32 digits), whose response
+length is the list length, so length varies without the arithmetic.
+
 Methods and lags come from the command line, e.g. ``--config.loss.objective=sat --config.lag=8``
 or ``--config.data.task=sort_digits --config.data.mixture=16:1,32:1`` (each task's lengths must
 fit ``data.max_prompt_len`` / ``data.max_new_tokens``, checked before any compute).
@@ -53,5 +56,18 @@ def stale_base() -> ml_collections.ConfigDict:
     return c
 
 
+def stale_sort() -> ml_collections.ConfigDict:
+    """:func:`stale_base` on digit sorting (see the module docstring)."""
+    c = stale_base()
+    c.name = "stale_sort"
+    c.data.task = "sort_digits"
+    c.data.mixture = "16:1,24:1,32:1"
+    c.data.max_prompt_len = 34  # 32 digits, "=" and BOS
+    c.data.max_new_tokens = 34  # 32 digits and EOS, one spare
+    c.sft.steps = 600
+    c.sft.corrupt_share = 0.3
+    return c
+
+
 #: Preset name -> function returning a fresh config.
-PRESETS = {"default": get_config, "stale": stale_base}
+PRESETS = {"default": get_config, "stale": stale_base, "stale_sort": stale_sort}

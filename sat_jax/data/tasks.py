@@ -13,7 +13,8 @@ Long-response tasks (responses of tens of tokens, where token-level ratio noise 
 a sequence) draw each example from a difficulty *mixture* of levels with weights:
 
 * `LongMultiplicationTask`: ``"1234*567="`` -> ``"8638+74040+617000=699678"``, the partial
-  products written out before their sum (levels ``"AxB"``: operand digit counts);
+  products written out before their sum (levels ``"AxB"``: operand digit counts); as
+  ``long_multiplication_lsb`` every number of the response least significant digit first;
 * `SortDigitsTask`: ``"5914="`` -> ``"1459"`` (levels ``"N"``: list lengths), so that response
   length varies on its own, without the arithmetic.
 
@@ -25,6 +26,7 @@ so the level counts are exact, not sampled.
 from __future__ import annotations
 
 import abc
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -393,13 +395,21 @@ class _MixtureTask(Task):
 _TRACE = re.compile(r"\d+(?:\+\d+)*=(\d+)")
 
 
-def multiplication_trace(a: int, b: int) -> str:
+def multiplication_trace(a: int, b: int, *, lsb_first: bool = False) -> str:
     """``a * b`` written out: one partial product ``a * d * 10**i`` per digit ``d`` of ``b``
     (least significant first, ``0`` for a zero digit), joined by ``"+"``, then ``"="`` and the
-    product. ``multiplication_trace(1234, 567) == "8638+74040+617000=699678"``."""
+    product. ``multiplication_trace(1234, 567) == "8638+74040+617000=699678"``.
+
+    ``lsb_first`` writes every number least significant digit first, the order in which its
+    carries are computed (``"8368+04047+000716=876996"``), so each digit follows from digits
+    already written (Lee et al. 2023, "Teaching Arithmetic to Small Transformers": reversed
+    outputs make carries learnable by small models).
+    """
     digits = str(b)[::-1]
-    terms = [str(a * int(d) * 10**i) for i, d in enumerate(digits)]
-    return "+".join(terms) + f"={a * b}"
+    numbers = [str(a * int(d) * 10**i) for i, d in enumerate(digits)] + [str(a * b)]
+    if lsb_first:
+        numbers = [n[::-1] for n in numbers]
+    return "+".join(numbers[:-1]) + "=" + numbers[-1]
 
 
 class LongMultiplicationTask(_MixtureTask):
@@ -413,13 +423,35 @@ class LongMultiplicationTask(_MixtureTask):
     Reward (scored on the final answer, as a verifier scores a math solution): 1.0 iff the
     completion, stripped of surrounding spaces, is one well-formed trace (``+``-separated digit
     strings, ``=``, a digit string, nothing else) whose final number is exactly ``a * b`` in
-    canonical decimal. The working is not checked, so a right answer after wrong working
-    scores 1; a bare answer without working, a truncated trace or text after the answer score 0.
+    canonical decimal (reversed, with ``lsb_first``). The working is not checked, so a right
+    answer after wrong working scores 1; a bare answer without working, a truncated trace or
+    text after the answer score 0. An example's ``"answer"`` is ``a * b`` in plain decimal.
+
+    Args:
+      lsb_first: write the numbers of the response least significant digit first
+        (`multiplication_trace`); the name gets ``"_lsb"``. Task name
+        ``"long_multiplication_lsb"`` in :data:`TASKS`.
+      mixture, train_size, eval_size, seed: as for every mixture task.
     """
 
     task_name = "long_multiplication"
     level_parts = 2
     default_mixture = "3x2:1,3x3:1,4x3:1"
+
+    def __init__(
+        self,
+        mixture: str = "",
+        train_size: int = 20_000,
+        eval_size: int = 500,
+        seed: int = 0,
+        lsb_first: bool = False,
+    ):
+        if not isinstance(lsb_first, bool):
+            raise ValueError(f"lsb_first must be a bool, got {lsb_first!r}")
+        self.lsb_first = lsb_first
+        super().__init__(mixture, train_size, eval_size, seed)
+        if lsb_first:
+            self.name += "_lsb"
 
     def _check_level(self, level: Level) -> None:
         if not all(1 <= n <= 6 for n in level):
@@ -439,7 +471,7 @@ class LongMultiplicationTask(_MixtureTask):
         return {
             "prompt": f"{a}*{b}=",
             "answer": str(a * b),
-            "target": multiplication_trace(a, b),
+            "target": multiplication_trace(a, b, lsb_first=self.lsb_first),
             "a": a,
             "b": b,
             "level": self.level_name(k),
@@ -458,7 +490,8 @@ class LongMultiplicationTask(_MixtureTask):
 
     def reward(self, completion: str, example: Example) -> float:
         m = _TRACE.fullmatch(completion.strip())
-        return float(m is not None and m.group(1) == example["answer"])
+        answer = example["answer"][::-1] if self.lsb_first else example["answer"]
+        return float(m is not None and m.group(1) == answer)
 
 
 class SortDigitsTask(_MixtureTask):
@@ -515,10 +548,13 @@ TASKS = {
     "addition": AdditionTask,
     "multiplication": MultiplicationTask,
     LongMultiplicationTask.task_name: LongMultiplicationTask,
+    # Its own task name rather than a config flag: runs of the other tasks keep their config
+    # (and so their warm-up cache keys).
+    "long_multiplication_lsb": functools.partial(LongMultiplicationTask, lsb_first=True),
     SortDigitsTask.task_name: SortDigitsTask,
 }
 #: Tasks built from a difficulty mixture (``data.mixture``) rather than ``data.num_digits``.
-MIXTURE_TASKS = (LongMultiplicationTask.task_name, SortDigitsTask.task_name)
+MIXTURE_TASKS = ("long_multiplication", "long_multiplication_lsb", "sort_digits")
 
 
 def make_task(name: str, **kwargs) -> Task:

@@ -286,14 +286,25 @@ def test_corrupt_share_is_checked():
         validate(c)
 
 
-def test_stale_base_preset_validates_and_has_the_stated_size():
-    path = pathlib.Path(__file__).parents[2] / "configs" / "stale_base.py"
-    spec = importlib.util.spec_from_file_location("stale_base", path)
+def _preset(name):
+    path = pathlib.Path(__file__).parents[2] / "configs" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    c = module.get_config()
+    return module.get_config()
+
+
+@pytest.mark.parametrize(
+    "name,task", [("stale_base", LongMultiplicationTask), ("stale_sort", SortDigitsTask)]
+)
+def test_stale_presets_validate(name, task):
+    c = _preset(name)
     validate(c)
-    assert c.data.task == "long_multiplication" and c.lag == 1
+    assert isinstance(task_from_config(c.data), task) and c.lag == 1
+
+
+def test_stale_base_has_the_stated_size():
+    c = _preset("stale_base")
     fields = c.model.to_dict()
     fields.pop("hf_path")
     cfg = ModelConfig(vocab_size=CharTokenizer().vocab_size, **fields)
@@ -301,4 +312,28 @@ def test_stale_base_preset_validates_and_has_the_stated_size():
     d, v, e, f = 128, 52, 64, 32  # width, char vocab, experts, expert width
     attention = d * 4 * 32 + 2 * d * 2 * 32 + 4 * 32 * d + 2 * 32  # q, k, v, o, q/k norms
     block = attention + 2 * d + d * e + e * 3 * d * f  # + 2 norms, router, SwiGLU experts
+    assert (cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok) == (4, 64, 4)
     assert size == 4 * block + 2 * v * d + d == 3_389_824
+
+
+def test_lsb_first_trace_and_reward():
+    # Every number reversed: 8638 -> 8368, 74040 -> 04047, 617000 -> 000716, 699678 -> 876996.
+    assert multiplication_trace(1234, 567, lsb_first=True) == "8368+04047+000716=876996"
+    task = LongMultiplicationTask("4x3:1", train_size=20, eval_size=5, lsb_first=True)
+    assert task.name == "long_multiplication_4x3_lsb"
+    ex = {"prompt": "1234*567=", "answer": "699678"}
+    assert task.reward("8368+04047+000716=876996", ex) == 1.0
+    assert task.reward("1+2+3=876996", ex) == 1.0  # right answer after wrong working
+    assert task.reward("8368+04047+000716=699678", ex) == 0.0  # the plain-order answer
+    assert task.reward("8368+04047+000716=87699", ex) == 0.0  # truncated
+    assert task.reward("8368+04047+000716=8769960", ex) == 0.0  # extra digit
+    for e in task.train:
+        assert e["answer"] == str(e["a"] * e["b"])
+        assert task.reward(e["target"], e) == 1.0
+        assert len(e["target"]) == len(multiplication_trace(e["a"], e["b"]))
+    assert task.max_target_chars == LongMultiplicationTask("4x3:1", train_size=20).max_target_chars
+    c = _config(task="long_multiplication_lsb", mixture="4x3", max_prompt_len=10, max_new_tokens=29)
+    assert task_from_config(c.data).lsb_first
+    validate(c)
+    with pytest.raises(ValueError, match="lsb_first must be a bool"):
+        LongMultiplicationTask("3x3", lsb_first=1)
