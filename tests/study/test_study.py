@@ -48,9 +48,9 @@ def test_paper_core_envelope_sizes_and_names(tmp_path):
 def test_a_preset_grid_starts_every_run_from_its_preset(tmp_path):
     runs = study_grid.expand(study_grid.resolve("stale-phase0"), str(tmp_path))
     assert len(runs) == 2 * 2 * 3 * 1  # grpo, sat_grpo × lags 1, 8 × 3 lrs × 1 seed
-    base = presets.stale_base()
+    base = presets.stale_sort()
     for spec, c in runs:
-        assert c.data.task == base.data.task == "long_multiplication"
+        assert c.data.task == base.data.task == "sort_digits"
         assert c.model.num_experts == base.model.num_experts and c.loss.r3 is False
         assert c.loss.objective == {"grpo": "ppo", "sat_grpo": "sat"}[spec.method]
         assert c.name == spec.method and c.optim.learning_rate == spec.lr
