@@ -150,6 +150,9 @@ def surrogate(name, logp, beh, adv, mask, frozen, **hp):
     if name == "drpo":
         r = np.exp(_lr(logp, beh, mask))
         return r * adv - np.abs(adv) / (2 * hp.get("delta", 1e-3)) * np.exp(beh) * (r - 1) ** 2
+    if name == "tis_pg":  # detached truncated ratio times the REINFORCE term: value min(r, C)·A
+        w = np.minimum(np.exp(_lr(frozen, beh, mask)), hp.get("cap", 2.0))
+        return w * adv * (1.0 + logp - frozen)
     raise KeyError(name)
 
 
