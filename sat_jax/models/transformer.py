@@ -36,7 +36,6 @@ from sat_jax.models.layers import (
     RMSNorm,
     load_balancing_loss,
     rotary_tables,
-    select_experts,
 )
 
 _REMAT_POLICIES = {
@@ -44,6 +43,17 @@ _REMAT_POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+def _top_k_by_argmax(z: jax.Array, k: int) -> jax.Array:
+    """Indices [..., k] int32 of the k largest entries of z's last axis, largest first (ties:
+    the lower index first, as ``jax.lax.top_k``)."""
+    picked = []
+    for _ in range(k):
+        i = jnp.argmax(z, axis=-1)
+        picked.append(i)
+        z = jnp.where(jax.nn.one_hot(i, z.shape[-1], dtype=bool), -jnp.inf, z)
+    return jnp.stack(picked, axis=-1).astype(jnp.int32)
 
 
 class ForwardOutput(NamedTuple):
@@ -404,7 +414,9 @@ class Transformer(nnx.Module):
             x, c, idx, z = block(x, rope, kv_mask, c, cache_index, layer, rp, shared_prefix, noise)
             x = _sharding.constrain(x, ("batch", None, None))
             lbl = None if z is None else load_balancing_loss(z, k, token_weight)
-            fresh = None if z is None else select_experts(z, k)
+            # The trainer's own top-k (for the routing flip rate) as k rounds of argmax: the same
+            # set as lax.top_k, but reductions GSPMD keeps shard-local (its top_k gathers z).
+            fresh = None if z is None else _top_k_by_argmax(z, k)
             return (x, c), (idx, lbl, fresh)
 
         if cache is None and cfg.remat != "none":
