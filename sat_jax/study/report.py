@@ -340,19 +340,7 @@ def _markdown(
         lines += [
             f"## Paired differences against {_label(grid.baseline)}",
             "",
-            stats.markdown_table(
-                ["method", "lag", "lr", "Δ best pass@1 [95% CI]", "Δ final pass@1 [95% CI]"],
-                [
-                    [
-                        _label(p["method"]),
-                        p["lag"],
-                        f"{p['lr']:g}",
-                        stats.fmt_paired(p["best"]),
-                        stats.fmt_paired(p["final"]),
-                    ]
-                    for p in pairs
-                ],
-            ),
+            _paired_table(pairs),
             "",
         ]
     lagged = stats.lag_rows(rows)
@@ -362,19 +350,7 @@ def _markdown(
             "",
             "Paired on the same seed and learning rate: what staleness costs each method.",
             "",
-            stats.markdown_table(
-                ["method", "lag", "lr", "Δ best pass@1 [95% CI]", "Δ final pass@1 [95% CI]"],
-                [
-                    [
-                        _label(p["method"]),
-                        p["lag"],
-                        f"{p['lr']:g}",
-                        stats.fmt_paired(p["best"]),
-                        stats.fmt_paired(p["final"]),
-                    ]
-                    for p in lagged
-                ],
-            ),
+            _paired_table(lagged),
             "",
         ]
     if env is not None:
@@ -422,6 +398,23 @@ def _markdown(
         lines.append("")
     lines += ["Per-run numbers: `results.csv` (one row per run; `status` partial = not finished)."]
     return "\n".join(lines) + "\n"
+
+
+def _paired_table(entries) -> str:
+    """Best and final pass@1 differences of :func:`stats.paired_rows` / ``lag_rows`` entries."""
+    return stats.markdown_table(
+        ["method", "lag", "lr", "Δ best pass@1 [95% CI]", "Δ final pass@1 [95% CI]"],
+        [
+            [
+                _label(p["method"]),
+                p["lag"],
+                f"{p['lr']:g}",
+                stats.fmt_paired(p["best"]),
+                stats.fmt_paired(p["final"]),
+            ]
+            for p in entries
+        ],
+    )
 
 
 def _p(test: Mapping[str, Any]) -> str:
