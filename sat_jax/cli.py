@@ -77,7 +77,9 @@ _GRID = flags.DEFINE_string(
     None,
     "Study grid to run: paper (Table 1's 13 methods), "
     "core (GRPO, GSPO, DPPO, SAT-GRPO, SAT-GSPO; R3 as the paper's best "
-    "runs) or envelope (GRPO and SAT-GRPO over learning rate × lag).",
+    "runs), envelope (GRPO and SAT-GRPO over learning rate × lag), "
+    "stale-phase0 (the staleness study's calibration) or stale (its counted runs: "
+    "docs/results/stale).",
 )
 _SEEDS = flags.DEFINE_integer("seeds", None, "Seeds 0..N-1 per cell (compare --grid; default 3).")
 _LAGS = flags.DEFINE_string(
@@ -102,7 +104,7 @@ _BASELINE = flags.DEFINE_string(
 _LAG_MODE = flags.DEFINE_enum(
     "lag_mode",
     "broadcast",
-    ["fixed", "broadcast", "stream"],
+    ["fixed", "broadcast", "sampled", "stream"],
     "Lag mode of every run (compare --grid).",
 )
 _SET = flags.DEFINE_multi_string(
@@ -449,7 +451,12 @@ def run():
         sys.exit(status)
     if _DEFINE_ERROR is not None:
         sys.exit(_fail(_unknown_key(_DEFINE_ERROR)))
-    app.run(main, flags_parser=_parse_flags)
+    try:
+        app.run(main, flags_parser=_parse_flags)
+    except BrokenPipeError:  # `sat-jax config | head`: the reader left; not an error of ours
+        # Python flushes stdout again at exit; point it at /dev/null so that flush cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -135,3 +135,19 @@ def test_config_command_prints_the_resolved_config(capsys):
     assert "lag: 3" in out and "objective: sat_gspo" in out and "kpop_phi" in out
     rc, _, err = run_cli(capsys, "frobnicate")
     assert rc == 2 and "unknown command 'frobnicate'" in err
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """``sat-jax config | head -1``: the reader leaving is not a traceback."""
+    import subprocess
+
+    proc = subprocess.run(
+        f"{sys.executable} -c 'from sat_jax import cli; cli.run()' config | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.stdout.strip() == "checkpoint:"
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr

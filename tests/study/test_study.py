@@ -676,3 +676,15 @@ def test_cli_compare_run_dirs_still_overlays(capsys, tmp_path):
         dirs.append(str(d))
     rc, out, _ = run_cli(capsys, "compare", *dirs, f"--out={tmp_path / 'c.png'}")
     assert rc == 0 and out.strip() == str(tmp_path / "c.png") and (tmp_path / "c.png").is_file()
+
+
+def test_cli_grid_help_names_every_grid_and_lag_mode(capsys):
+    from sat_jax.rl import lag
+
+    rc, out, _ = run_cli(capsys, "compare", "--help")
+    assert rc == 0
+    text = " ".join(out.split())  # the help wraps long lines
+    for name in study_grid.GRIDS:
+        assert f"{name} (" in text, name
+    for mode in lag.MODES:
+        assert mode in text.split("--lag_mode", 1)[1].split("--", 1)[0], mode
