@@ -113,6 +113,12 @@ _SET = flags.DEFINE_multi_string(
     "KEY=VALUE config override for every run of the "
     "grid, repeatable (compare --grid), e.g. --set num_steps=200.",
 )
+_REPORT_ONLY = flags.DEFINE_boolean(
+    "report_only",
+    False,
+    "Write results.md, results.csv and the plots from the runs already in --out, training none "
+    "(compare --grid): read a grid run elsewhere, or one run in parts (--methods, --lags).",
+)
 _SHARE = flags.DEFINE_boolean(
     "share_compilation",
     True,
@@ -143,6 +149,7 @@ _COMMAND_FLAGS = {
         "baseline",
         "lag_mode",
         "set",
+        "report_only",
         "share_compilation",
     ),
 }
@@ -223,7 +230,9 @@ def main(argv):
     if command == "compare" and _GRID.present:
         return compare_grid(rest)
     grid_only = [
-        n for n in ("seeds", "lags", "lrs", "methods", "baseline", "set") if flags.FLAGS[n].present
+        n
+        for n in ("seeds", "lags", "lrs", "methods", "baseline", "set", "report_only")
+        if flags.FLAGS[n].present
     ]
     if grid_only:
         return _fail(f"--{grid_only[0]} is a flag of compare --grid NAME")
@@ -384,6 +393,11 @@ def compare_grid(rest: list[str]) -> int:
             plots=plots,
         )
 
+    if _REPORT_ONLY.value:
+        written = write({**last, "trained": [], "skipped": [s.name for s, _ in runs]})
+        for path in (written["md"], written["csv"], *written["plots"]):
+            print(path)
+        return 0
     shared, components.SHARE_TRAIN_STEPS = components.SHARE_TRAIN_STEPS, _SHARE.value
     try:
         # results.md and results.csv after every run (plots at the end): a long grid can be read

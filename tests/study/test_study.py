@@ -688,3 +688,38 @@ def test_cli_grid_help_names_every_grid_and_lag_mode(capsys):
         assert f"{name} (" in text, name
     for mode in lag.MODES:
         assert mode in text.split("--lag_mode", 1)[1].split("--", 1)[0], mode
+
+
+def test_cli_report_only_writes_the_finished_and_partial_runs_and_trains_none(
+    capsys, tmp_path, no_training
+):
+    out = tmp_path / "study"
+    runs = study_grid.expand(
+        study_grid.resolve("stale-phase0", methods=["grpo"], lags=[1]), str(out)
+    )
+    (spec_a, config_a), (spec_b, config_b) = runs[0], runs[1]
+    for config, evals in ((config_a, (0.2, 0.4, 0.5)), (config_b, (0.2, 0.3))):
+        os.makedirs(config.workdir)
+        with open(os.path.join(config.workdir, "metrics.jsonl"), "w") as f:
+            for i, v in enumerate(evals):
+                f.write(json.dumps({"step": 50 * i, "eval/pass@1": v}) + "\n")
+    runner.mark_finished(config_a, {"wall_seconds": 1.0, "end_step": 100})
+    rc, stdout, err = run_cli(
+        capsys,
+        "compare",
+        "--grid=stale-phase0",
+        "--methods=grpo",
+        "--lags=1",
+        f"--out={out}",
+        "--report_only",
+    )
+    assert rc == 0, err
+    with open(out / "results.csv") as f:
+        rows = {r["run_dir"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {f"runs/{spec_a.name}", f"runs/{spec_b.name}"}
+    assert rows[f"runs/{spec_a.name}"]["status"] == "finished"
+    assert rows[f"runs/{spec_b.name}"]["status"] == "partial"
+    assert float(rows[f"runs/{spec_a.name}"]["final"]) == 0.5
+    assert str(out / "results.md") in stdout
+    rc, _, err = run_cli(capsys, "compare", "--report_only", str(out))
+    assert rc == 2 and "--report_only is a flag of compare --grid NAME" in err
