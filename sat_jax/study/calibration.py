@@ -40,7 +40,17 @@ HARM_MARGIN = 0.02
 MISMATCH_RANGE = (0.01, 0.05)
 BINDING_MIN = 0.03
 
-_FLOATS = ("lr", "tail20", "mismatch_t25", "q_t25", "binding_t25", "reward_t25", "final", "base")
+_FLOATS = (
+    "lr",
+    "tail20",
+    "mismatch_t25",
+    "q_t25",
+    "binding_t25",
+    "clip_t25",
+    "reward_t25",
+    "final",
+    "base",
+)
 
 
 def read_rows(study_dir: str) -> list[dict[str, Any]]:

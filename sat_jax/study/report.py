@@ -37,6 +37,7 @@ CSV_COLUMNS = (
     "mismatch_t25",
     "q_t25",
     "binding_t25",
+    "clip_t25",
     "lag_t25",
     "reward_t25",
     "wall_s",
@@ -285,9 +286,9 @@ def _markdown(
         "- **pass@1**: held-out accuracy of one sample per prompt at the rollout "
         "temperature (`eval/pass@1`). **base**: at step 0 (the warm-up's policy); **best**: "
         "the highest evaluation after step 0; **final**: the last evaluation.",
-        "- **d̄_π**, **q**, **binding**, **realized lag**: means over the last 25% of "
+        "- **d̄_π**, **q**, **binding**, **clipped**, **realized lag**: means over the last 25% of "
         "training steps of `loss/mismatch`, `loss/sat/q` (SAT objectives only), "
-        "`loss/sat/binding_rate` and `lag/mean`.",
+        "`loss/sat/binding_rate`, `loss/clip_frac` (clipped) and `lag/mean`.",
         f"- Collapse rule: {rule.describe()}",
         "- Mean ± sd over seeds (sd with ddof 1). **Paired difference**: per seed, method "
         "minus baseline at the same lag and learning rate (same warm-up and prompt order); "
@@ -311,6 +312,7 @@ def _markdown(
                 "d̄_π",
                 "q",
                 "binding",
+                "clipped",
                 "realized lag",
             ],
             [
@@ -326,6 +328,7 @@ def _markdown(
                     stats.fmt(c["mismatch_t25"], 4),
                     stats.fmt(c["q_t25"], 4),
                     stats.fmt(c["binding_t25"], 4),
+                    stats.fmt(c["clip_t25"], 4),
                     stats.fmt(c["lag_t25"], 2),
                 ]
                 for c in stats.cell_summary(rows)

@@ -29,6 +29,7 @@ TRAILING = {
     "mismatch": "loss/mismatch",  # d̄_π
     "q": "loss/sat/q",  # SAT's quantile of |log r|
     "binding": "loss/sat/binding_rate",
+    "clip": "loss/clip_frac",  # share of active tokens whose ratio is clipped (any objective)
     "lag": "lag/mean",  # realized lag
     "reward": "train/reward_mean",
 }

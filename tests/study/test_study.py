@@ -419,6 +419,7 @@ def records(evals, mismatch, q=None):
         }
         if q is not None:
             row.update({"loss/sat/q": q[i], "loss/sat/binding_rate": 0.01 * i})
+        row["loss/clip_frac"] = 0.1 * i
         rows.append(row)
     return rows
 
@@ -441,6 +442,7 @@ def test_summarize_run_hand_computed():
     # The last 25% of 8 steps: steps 7 and 8 (i = 6, 7: lag i % 3 = 0, 1).
     assert s["mismatch_t25"] == pytest.approx(0.75) and s["q_t25"] == pytest.approx(7.5)
     assert s["binding_t25"] == pytest.approx(0.065) and s["lag_t25"] == pytest.approx(0.5)
+    assert s["clip_t25"] == pytest.approx(0.65)
     assert s["steps"] == 8 and s["collapsed"] is False
     assert s["tail20"] == pytest.approx(0.55) and s["collapse_step"] is None  # 1 of 2 evals
     plain = stats.summarize_run(records({0: 0.2, 4: 0.1}, [0.1, 0.2]))
