@@ -98,11 +98,20 @@ class RolloutEngine:
 
 
 def batch_stats(batch: RolloutBatch, group_size: int) -> dict[str, float]:
-    """Reward and length statistics of a scored batch, for logging."""
+    """Reward and length statistics of a scored batch, for logging.
+
+    ``rollout/finished_row_share`` is the share of the batch's [rows × longest response] decode
+    grid that lies after a row's EOS: the static engine decodes every row until the longest one
+    ends, so it is that engine's decode work spent on rows that had already finished (the
+    continuous engine refills those slots; for its batches it is what a static batch would have
+    spent)."""
     rewards = np.asarray(batch.rewards)
     groups = rewards.reshape(-1, group_size)
     mask = np.asarray(batch.response_mask)
+    lengths = mask.sum(axis=1)
+    grid = lengths.size * int(lengths.max(initial=0))
     return {
+        "rollout/finished_row_share": float(1.0 - lengths.sum() / grid) if grid else 0.0,
         "train/reward_mean": float(rewards.mean()),
         "train/reward_std": float(rewards.std()),
         "train/solved_groups": float((groups.max(axis=1) > 0.5).mean()),
