@@ -54,12 +54,13 @@ _FLOATS = (
 
 
 def read_rows(study_dir: str) -> list[dict[str, Any]]:
-    """The rows of ``study_dir/results.csv`` with numbers parsed (empty cells: NaN / None)."""
+    """The finished runs' rows of ``study_dir/results.csv`` with numbers parsed (empty cells:
+    NaN / None); a run still going (``status`` partial) is not read."""
     path = os.path.join(study_dir, "results.csv")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no results.csv in {study_dir} (run sat-jax compare --grid first)")
     with open(path, newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
+        rows = [r for r in csv.DictReader(f) if r.get("status", "finished") in ("", "finished")]
     for r in rows:
         for k in _FLOATS:
             r[k] = float(r[k]) if r.get(k) not in (None, "") else math.nan
@@ -105,6 +106,11 @@ def checks(
             "mismatch": (b_lo["mismatch_t25"], mismatch),
             "q": (s_lo["q_t25"] if s_lo else math.nan, q),
             "binding": (s_lo["binding_t25"] if s_lo else math.nan, binding),
+            # Clip fractions at the high lag (baseline, SAT): what a matched-step control matches.
+            "clipped": (
+                b_hi.get("clip_t25", math.nan),
+                s_hi.get("clip_t25", math.nan) if s_hi else math.nan,
+            ),
             "harm": bool(drop >= HARM_MARGIN or collapsed),
             "in_range": bool(MISMATCH_RANGE[0] <= mismatch <= MISMATCH_RANGE[1]),
             "can_act": None if s_hi is None else bool(q < math.log1p(eps_high)),
@@ -125,6 +131,10 @@ def choose(entries: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
 
 def _mark(v) -> str:
     return "–" if v is None else ("yes" if v else "no")
+
+
+def _percents(p) -> str:
+    return " / ".join("–" if not math.isfinite(v) else f"{v:.2%}" for v in p)
 
 
 def _pair(p, digits=3) -> str:
@@ -163,6 +173,7 @@ def markdown(
         "d̄_π lo / hi",
         "SAT q lo / hi",
         "SAT binding lo / hi",
+        "clipped hi: base / SAT",
         "harm",
         "d̄_π in range",
         "q < log(1+ε)",
@@ -178,7 +189,8 @@ def markdown(
             " / ".join("–" if s is None else str(s) for s in e["base_collapse"]),
             _pair(e["mismatch"], 4),
             _pair(e["q"]),
-            " / ".join("–" if not math.isfinite(b) else f"{b:.2%}" for b in e["binding"]),
+            _percents(e["binding"]),
+            _percents(e["clipped"]),
             _mark(e["harm"]),
             _mark(e["in_range"]),
             _mark(e["can_act"]),

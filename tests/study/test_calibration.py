@@ -18,7 +18,8 @@ def _write(d, rows):
             w.writerow(r)
 
 
-def _row(method, lag, lr, tail20, mismatch, q="", binding="", collapse=""):
+def _row(method, lag, lr, tail20, mismatch, q="", binding="", collapse="", **extra):
+    extra.setdefault("status", "finished")
     return dict(
         method=method,
         lag=lag,
@@ -30,6 +31,7 @@ def _row(method, lag, lr, tail20, mismatch, q="", binding="", collapse=""):
         collapse_step=collapse,
         lag_mode="broadcast",
         seed=0,
+        **extra,
     )
 
 
@@ -99,3 +101,21 @@ def test_read_rows_parses_empty_cells(tmp_path):
     assert math.isnan(r["tail20"]) and r["collapse_step"] is None and r["lag"] == 1
     with pytest.raises(FileNotFoundError):
         calibration.read_rows(tmp_path / "nope")
+
+
+def test_partial_runs_are_not_read_and_clip_fractions_are_shown(tmp_path):
+    rows = [
+        _row("grpo", 1, 1e-4, 0.40, 0.01),
+        _row("grpo", 8, 1e-4, 0.30, 0.03, clip_t25=0.011),
+        _row("sat_grpo", 8, 1e-4, 0.9, 0.03, 0.10, 0.05, clip_t25=0.042),
+        # A run still going at lag 8 of another lr: not read, so that lr has one lag only.
+        _row("grpo", 1, 3e-4, 0.40, 0.01),
+        _row("grpo", 8, 3e-4, 0.10, 0.03, status="partial"),
+    ]
+    _write(tmp_path / "s", rows)
+    read = calibration.read_rows(tmp_path / "s")
+    assert len(read) == 4
+    (e,) = calibration.checks("s", read, baseline="grpo", sat="sat_grpo")
+    assert e["lr"] == 1e-4 and e["clipped"] == (0.011, 0.042) and e["passes"] is True
+    md = calibration.markdown([e], baseline="grpo", sat="sat_grpo", command="c", eps_high=0.2)
+    assert "1.10% / 4.20%" in md
