@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 pytest.importorskip("safetensors", reason="checkpoint tests need safetensors (sat_jax[hf])")
+from _tiny_models import mixed_moe
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from sat_jax.models import (  # noqa: E402
-    ModelConfig,
     config_from_hf,
     config_to_hf,
     hf_tensor_shapes,
@@ -28,20 +28,7 @@ from sat_jax.models import (  # noqa: E402
     save_hf,
 )
 
-CFG = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    mlp_only_layers=(1,),
-    intermediate_size=24,
-    rope_theta=1e6,
-)
+CFG = mixed_moe(intermediate_size=24, rope_theta=1e6)
 
 # The published config.json of Qwen3-30B-A3B(-Base) (transformers 4.51 layout).
 QWEN3_30B_A3B = {

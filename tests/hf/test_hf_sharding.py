@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _tiny_models import mixed_moe
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sat_jax import parallel
 from sat_jax.models import (
-    ModelConfig,
     abstract_params,
     init_model,
     param_path,
@@ -22,19 +22,7 @@ from sat_jax.models import (
     sharding_rules,
 )
 
-CFG = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    mlp_only_layers=(1,),
-    intermediate_size=24,
-)
+CFG = mixed_moe(num_layers=3, intermediate_size=24)
 FE = ("fsdp", "expert")
 
 

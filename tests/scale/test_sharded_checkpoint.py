@@ -13,27 +13,15 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _tiny_models import mixed_moe
 
 from sat_jax import parallel
-from sat_jax.models import ModelConfig, init_model
+from sat_jax.models import init_model
 from sat_jax.rl import trainer
 from sat_jax.rl.batch import RolloutBatch
 from sat_jax.run.checkpoint import Checkpointer
 
-CFG = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=4,
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    mlp_only_layers=(1,),
-    intermediate_size=32,
-    init_std=0.1,
-)
+CFG = mixed_moe(num_kv_heads=4, init_std=0.1)
 P_W, N, ROWS = 3, 4, 8
 OPT = optax.adam(1e-2)
 SPEC = trainer.LossSpec(objective="ppo", r3=False, support_replay=False)

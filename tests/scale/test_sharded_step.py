@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _tiny_models import mixed_moe
 
 from sat_jax import parallel
 from sat_jax.models import (
@@ -38,20 +39,7 @@ from sat_jax.models import (
 from sat_jax.rl import trainer
 from sat_jax.rl.batch import RolloutBatch
 
-CFG = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    mlp_only_layers=(1,),
-    intermediate_size=32,
-    init_std=0.1,
-)
+CFG = mixed_moe(init_std=0.1)
 B, P_W, N = 8, 3, 5  # rows, prompt width, response width
 MESHES = {
     "data8": dict(num_data=8),

@@ -1,0 +1,24 @@
+"""The smallest model configs the sharding, checkpoint and Hugging Face tests share."""
+
+from sat_jax.models import ModelConfig
+
+
+def mixed_moe(**overrides) -> ModelConfig:
+    """Two blocks, an MoE block (4 experts, top-2) then a dense one (``mlp_only_layers``), with
+    grouped-query attention (4 heads, 2 KV heads): every kind of parameter a checkpoint or a
+    sharding rule meets, at a few thousand parameters. ``overrides`` replace any field."""
+    fields = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        mlp_only_layers=(1,),
+        intermediate_size=32,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
