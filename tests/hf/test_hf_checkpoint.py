@@ -4,8 +4,10 @@ clear errors for bad checkpoints (missing / unexpected / wrong-shape tensors, un
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 import re
 
 import jax
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("safetensors", reason="checkpoint tests need safetensors (sat_jax[hf])")
-from _tiny_models import mixed_moe
+from _tiny_models import mixed_moe  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
@@ -30,42 +32,15 @@ from sat_jax.models import (  # noqa: E402
 
 CFG = mixed_moe(intermediate_size=24, rope_theta=1e6)
 
-# The published config.json of Qwen3-30B-A3B(-Base) (transformers 4.51 layout).
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 151643,
-    "decoder_sparse_step": 1,
-    "eos_token_id": 151643,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "hidden_size": 2048,
-    "initializer_range": 0.02,
-    "intermediate_size": 6144,
-    "max_position_embeddings": 32768,
-    "max_window_layers": 48,
-    "mlp_only_layers": [],
-    "model_type": "qwen3_moe",
-    "moe_intermediate_size": 768,
-    "norm_topk_prob": True,
-    "num_attention_heads": 32,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "num_hidden_layers": 48,
-    "num_key_value_heads": 4,
-    "output_router_logits": False,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 1000000.0,
-    "router_aux_loss_coef": 0.001,
-    "sliding_window": None,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": 151936,
-}
+# The published config.json of Qwen3-30B-A3B(-Base) (transformers 4.51 layout), as the paper's
+# config file holds it.
+_spec = importlib.util.spec_from_file_location(
+    "qwen3_30b_a3b_config",
+    os.path.join(os.path.dirname(__file__), "..", "..", "configs", "qwen3_30b_a3b.py"),
+)
+_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_module)
+QWEN3_30B_A3B = _module.QWEN3_30B_A3B_CONFIG
 
 
 def _leaves(params):
