@@ -101,6 +101,10 @@ def get_config() -> ml_collections.ConfigDict:
     # × group_size) and decode steps between admissions / harvests (and stream-mode weight swaps).
     c.rollout.num_slots = 0
     c.rollout.harvest_every = 4
+    # Continuous engine: prompt tokens per prefill model call (0: a prompt's whole prefix in one
+    # call); bounds the prefill's activations and attention scores per call (same outputs to
+    # float rounding). Must be >= 0; the static engine ignores it.
+    c.rollout.prefill_chunk = 0
     # Seconds the trainer waits for the stream worker's next batch before it fails (the first
     # wait includes the worker's compilation).
     c.rollout.stream_timeout_s = 600.0

@@ -346,6 +346,9 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
             f"rollout.num_slots must be >= 0 and rollout.harvest_every >= 1, got {r.num_slots}, "
             f"{r.harvest_every}"
         )
+    chunk = r.prefill_chunk
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+        _fail(f"rollout.prefill_chunk must be an int >= 0 (0: one call), got {chunk!r}")
     if r.engine == "continuous" and r.router_noise:
         _fail(
             f"rollout.router_noise={r.router_noise} needs rollout.engine=static: the noise is "

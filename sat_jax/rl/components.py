@@ -97,6 +97,7 @@ def make_sampler(config, model_cfg: ModelConfig, tokenizer) -> Sampler | Continu
         num_slots=r.num_slots or sequences,
         harvest_every=r.harvest_every,
         group_size=r.group_size,
+        prefill_chunk=r.prefill_chunk or None,
         **common,
     )
 

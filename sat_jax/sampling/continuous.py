@@ -4,7 +4,10 @@ The static engine (``sat_jax.sampling.sampler``) decodes a batch until its longe
 so finished rows keep occupying the batch. Here S decode slots run one jitted window of
 ``harvest_every`` = h decode steps at a time; between windows the host harvests the slots whose
 response ended (EOS or its length limit) and refills them with waiting prompts, prefilled in
-batches and written into the freed slots' cache. The host never acts per token.
+batches and written into the freed slots' cache. The host never acts per token. With
+``prefill_chunk`` = c, a prompt's P − 1 prefill tokens are fed c per model call, each call
+writing its chunk's cache columns and attending to the chunks before it, so the prefill's
+activations and attention scores per call scale with c instead of P − 1.
 
 Output: every finished sequence is a row of the static engine's ``SampleOutput`` layout
 (``tokens`` [P + N], ``behavior_logp`` / ``cutoffs`` / ``versions`` / ``response_mask`` [N],
@@ -131,6 +134,10 @@ class ContinuousSampler:
         ``slot_width`` positions that exceed it are an error.
       mesh: place the slot state on this mesh (slots over the batch axes (data, fsdp), KV heads
         over tensor, as the static engine's cache); None: default placement.
+      prefill_chunk: c, prompt tokens per prefill model call: a prompt's P − 1 prefill tokens
+        go c at a time into its cache (None, or c ≥ P − 1: one call). Bounds the prefill's
+        activations and attention scores per call to c rather than P − 1 query positions; the
+        outputs are the same up to float rounding (attention products of other shapes).
 
     Usage::
 
@@ -161,6 +168,7 @@ class ContinuousSampler:
         max_prefill: int | None = None,
         cache_tokens: int | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        prefill_chunk: int | None = None,
     ):
         # The static engine validates prompts, groups and limits with the same rules.
         self.reference = Sampler(
@@ -196,6 +204,9 @@ class ContinuousSampler:
                 f"(max_prompt_len + max_new_tokens + harvest_every - 2) need {need}, but "
                 f"cache_tokens={cache_tokens} holds {cache_tokens // self.slot_width} slots"
             )
+        # None when one call feeds the whole prefix, so equal engines share programs.
+        chunk = None if prefill_chunk is None else _positive_int("prefill_chunk", prefill_chunk)
+        self.prefill_chunk = None if chunk is None or chunk >= p - 1 else chunk
         self.mesh = mesh
         if mesh is not None:
             _sharding.check_mesh(self.config, mesh, batch=self.num_slots)
@@ -210,6 +221,7 @@ class ContinuousSampler:
             h,
             self.group_size,
             mesh,
+            self.prefill_chunk,
         )
         self._empty, self._admit, self._run, self._take = shared_jit(key, self._build)
 
@@ -318,7 +330,7 @@ class ContinuousSampler:
     def _admit_impl(self, params, state: SlotState, tokens, mask, lengths, slots, ids, limits):
         """Prefill prompts tokens/mask [m, P] (left-aligned) once each and start their G samples
         in ``slots`` [m·G] (S = padding, dropped), with sequence ids and limits [m·G]."""
-        cfg, g = self.config, self.group_size
+        g = self.group_size
         p, n = self.max_prompt_len, self.max_new_tokens
         base = self.slot_width - self.harvest_every  # the next window's first column
         rows = jnp.repeat(tokens, g, axis=0)
@@ -328,26 +340,17 @@ class ContinuousSampler:
         kv_row = jnp.zeros((rows.shape[0], self.slot_width), jnp.bool_)
         cache, routing = state.cache, state.routing.at[:, slots].set(0, mode="drop")
         if p > 1:  # the last prompt token is fed by the first decode step
-            model = nnx.merge(self.graphdef, params)
-            out = model(
-                tokens[:, : p - 1],
-                input_mask=mask[:, : p - 1],
-                positions=positions_from_mask(mask[:, : p - 1]),
-                cache=init_cache(cfg, tokens.shape[0], p - 1),
-                cache_index=0,
-                kv_mask=mask[:, : p - 1],
-                logits_from=p - 2,
-            )
+            new_cache, new_routing = self._prefill(params, tokens[:, : p - 1], mask[:, : p - 1])
             cols = slice(base - (p - 1), base)
             cache = LayerCache(
                 *(
                     full.at[:, slots, cols].set(jnp.repeat(new, g, axis=1), mode="drop")
-                    for full, new in zip(cache, out.cache, strict=True)
+                    for full, new in zip(cache, new_cache, strict=True)
                 )
             )
             kv_row = kv_row.at[:, cols].set(row_mask[:, : p - 1])
             routing = routing.at[:, slots, : p - 1].set(
-                jnp.repeat(out.routing, g, axis=1), mode="drop"
+                jnp.repeat(new_routing, g, axis=1), mode="drop"
             )
         pad = jnp.full((rows.shape[0], width - p), self.pad_id, jnp.int32)
         return state._replace(
@@ -368,6 +371,51 @@ class ContinuousSampler:
             versions=put(state.versions, -1),
             routing=routing,
         )
+
+    def _prefill(self, params, tokens, mask):
+        """Cache [L, m, T, kv_heads, head_dim] and routing [L, m, T, k] of prompt prefixes
+        tokens/mask [m, T], fed ``prefill_chunk`` = c tokens per model call (None: all T in one).
+
+        Chunk i writes cache columns [i·c, i·c + c) at ``cache_index`` = i·c and attends over
+        all T columns under the prefix's own mask: columns past a query's are hidden by
+        causality, so every query sees the keys it sees in one call. The T // c full chunks
+        are one ``lax.scan``; a shorter last chunk of T mod c tokens is one more call. No
+        padding is fed, so neither the cache mask nor the routing holds a padding position."""
+        cfg = self.config
+        m, t = tokens.shape
+        c = self.prefill_chunk
+        cache = init_cache(cfg, m, t)
+        positions = positions_from_mask(mask)
+
+        def call(cache, start, width, part):
+            model = nnx.merge(self.graphdef, params)
+            out = model(
+                part(tokens),
+                input_mask=part(mask),
+                positions=part(positions),
+                cache=cache,
+                cache_index=start,
+                kv_mask=mask,
+                logits_from=width - 1,
+            )
+            return out.cache, out.routing
+
+        if c is None:
+            return call(cache, 0, t, lambda a: a)
+
+        def chunk(cache, start):
+            return call(cache, start, c, lambda a: jax.lax.dynamic_slice_in_dim(a, start, c, 1))
+
+        full = t // c
+        cache, routing = jax.lax.scan(chunk, cache, jnp.arange(full, dtype=jnp.int32) * c)
+        # [full, L, m, c, k] → [L, m, full · c, k]
+        routing = jnp.moveaxis(routing, 0, 2).reshape(
+            (cfg.num_moe_layers, m, full * c, cfg.num_experts_per_tok)
+        )
+        if t % c:
+            cache, tail = call(cache, full * c, t - full * c, lambda a: a[:, full * c :])
+            routing = jnp.concatenate([routing, tail], axis=2)
+        return cache, routing
 
     def _run_impl(self, params, state: SlotState, version):
         """One window: up to h decode steps (fewer once no slot is live), then the cache shift.

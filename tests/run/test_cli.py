@@ -66,6 +66,7 @@ INVALID = [
     ("rollout.top_p=0", "rollout.top_p must be in (0, 1]"),
     ("rollout.dtype=int8", "rollout.dtype must be"),
     ("rollout.stream_chunk=0", "rollout.stream_chunk >= 1"),
+    ("rollout.prefill_chunk=-1", "rollout.prefill_chunk must be an int >= 0 (0: one call), got -1"),
     ("model.num_experts_per_tok=40", "num_experts_per_tok=40 exceeds num_experts=16"),
     ("model.num_kv_heads=3", "model: ModelConfig"),
     ("data.max_new_tokens=0", "data.max_new_tokens must be >= 1"),

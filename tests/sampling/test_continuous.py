@@ -1,7 +1,7 @@
 """The continuous-batching engine against the static reference: same tokens, behaviour log-probs,
-routing and cut-offs for any slot count and window; weight swaps at harvest points recorded per
-token and equal to a token-by-token recomputation; whole groups, none lost or repeated; the
-sharded slot cache on an fsdp × expert mesh; bad input."""
+routing and cut-offs for any slot count, window and prefill chunk; weight swaps at harvest points
+recorded per token and equal to a token-by-token recomputation; whole groups, none lost or
+repeated; the sharded slot cache on an fsdp × expert mesh; bad input."""
 
 import time
 
@@ -43,9 +43,9 @@ def params(cfg):
 def engines(cfg):
     cache = {}
 
-    def get(slots, every, mesh=None):
-        if (slots, every, mesh) not in cache:
-            cache[slots, every, mesh] = ContinuousSampler(
+    def get(slots, every, mesh=None, prefill_chunk=None):
+        if (slots, every, mesh, prefill_chunk) not in cache:
+            cache[slots, every, mesh, prefill_chunk] = ContinuousSampler(
                 cfg,
                 max_prompt_len=P,
                 max_new_tokens=N,
@@ -54,8 +54,9 @@ def engines(cfg):
                 harvest_every=every,
                 group_size=G,
                 mesh=mesh,
+                prefill_chunk=prefill_chunk,
             )
-        return cache[slots, every, mesh]
+        return cache[slots, every, mesh, prefill_chunk]
 
     return get
 
@@ -112,6 +113,45 @@ def test_same_outputs_as_the_static_engine(params, engines, reference, slots, ev
     engine = engines(slots, every)
     out = workload(engine, params[1])
     assert_same_rollouts(out, reference)
+
+
+# P − 1 = 5 prefill tokens: chunks of 1 (five calls), 2 (two and a last one of 1), 3 (one and a
+# last one of 2); 4 and 2 slots hold fewer than the 12 sequences, so later prompts are admitted
+# into freed slots.
+@pytest.mark.parametrize("chunk,slots,every", [(1, 4, 3), (2, 2, 5), (3, 12, 1)])
+def test_chunked_prefill_gives_the_same_outputs(params, engines, reference, chunk, slots, every):
+    """Equal to one prefill call: routing and every discrete output exactly; the cache, and so
+    log-probs and cut-offs, to float32 rounding: XLA picks the kernel of the attention products
+    by shape, and one over c queries rounds differently from one over P − 1, so from the second
+    block on keys and values may differ by a few ulps."""
+    _, p = params
+    whole, chunked = engines(slots, every), engines(slots, every, prefill_chunk=chunk)
+    assert chunked.prefill_chunk == chunk and whole.prefill_chunk is None
+    # The prefix's cache and routing, written chunk by chunk at cache_index = i · chunk (the
+    # left padding's columns too).
+    tokens, mask, _ = whole.reference._layout(PROMPTS, LENGTHS)
+    tokens, mask = tokens[:, : P - 1], mask[:, : P - 1]
+    want_cache, want_routing = jax.jit(whole._prefill)(p, tokens, mask)
+    got_cache, got_routing = jax.jit(chunked._prefill)(p, tokens, mask)
+    assert got_routing.shape == want_routing.shape == (2, len(PROMPTS), P - 1, 4)
+    np.testing.assert_array_equal(got_routing, want_routing)
+    for got, want in zip(got_cache, want_cache, strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    out, want = workload(chunked, p), workload(whole, p)
+    for field, got in out._asdict().items():
+        if field in ("behavior_logp", "cutoffs"):
+            np.testing.assert_allclose(got, getattr(want, field), rtol=0, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(got, getattr(want, field), err_msg=field)
+    assert_same_rollouts(out, reference)
+
+
+def test_a_prefill_chunk_of_the_whole_prefix_is_one_call(cfg, engines):
+    kw = dict(max_prompt_len=P, max_new_tokens=N, eos_id=EOS, group_size=G)
+    for chunk in (P - 1, P + 3):
+        engine = ContinuousSampler(cfg, num_slots=4, harvest_every=3, prefill_chunk=chunk, **kw)
+        assert engine.prefill_chunk is None
+        assert engine._admit is engines(4, 3)._admit  # the programs of prefill_chunk=None
 
 
 def _teacher_forced_logp(cfg, graphdef, by_version, out, row):
@@ -239,6 +279,9 @@ def test_bad_input_is_one_error_before_compute(cfg, params, engines):
         ContinuousSampler(cfg, num_slots=0, harvest_every=2, **kw)
     with pytest.raises(ValueError, match="harvest_every"):
         ContinuousSampler(cfg, num_slots=4, harvest_every=0, **kw)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match=rf"prefill_chunk must be a positive int, got {bad!r}"):
+            ContinuousSampler(cfg, num_slots=4, harvest_every=2, prefill_chunk=bad, **kw)
     with pytest.raises(ValueError, match="fewer than group_size"):
         ContinuousSampler(cfg, num_slots=1, harvest_every=2, **kw)
     # 4 slots of P + N + 3 - 2 = 19 positions need 76; 60 hold 3.
