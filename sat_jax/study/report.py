@@ -40,6 +40,7 @@ CSV_COLUMNS = (
     "clip_t25",
     "lag_t25",
     "reward_t25",
+    "warmup_loss",
     "wall_s",
     "run_dir",
 )
@@ -178,6 +179,18 @@ def write(
     return {"csv": csv_path, "md": md_path, "plots": plot_paths, "rows": rows, "envelope": env}
 
 
+def _pairing_line(rows) -> str:
+    """Whether every seed's runs started from one warm-up (the pairing the tests rely on)."""
+    bad = stats.unpaired_seeds(rows)
+    if bad:
+        return (
+            f"- **pairing broken**: the runs of seed(s) {', '.join(map(str, bad))} did not start "
+            "from the same warm-up (different final warm-up losses); their paired differences "
+            "compare different base policies"
+        )
+    return "- pairing: every seed's runs started from the same warm-up (equal final warm-up loss)"
+
+
 def _sat_partner(grid: Grid) -> str | None:
     """The SAT method the envelope compares with the baseline: ``sat_<baseline>`` if in the grid,
     else the first SAT method."""
@@ -280,6 +293,7 @@ def _markdown(
         f"- seeds: 0 … {grid.seeds - 1} ({grid.seeds}); baseline of the paired differences: "
         f"{_label(grid.baseline)}",
         f"- config overrides (every run): {', '.join(f'`{o}`' for o in overrides) or 'none'}",
+        _pairing_line(rows),
         "",
         "## Definitions",
         "",

@@ -173,6 +173,8 @@ def summarize_run(
     * ``steps``: training steps logged; ``collapsed``: ``rule(base, best, final)``.
     * ``tail20``: :func:`tail_mean` (the last 20% of evaluations); ``collapse_step``: the step
       :data:`SUSTAINED_RULE` finds the run collapsed at, or None.
+    * ``warmup_loss``: the supervised warm-up's final loss (``sft/final_loss``; NaN without a
+      warm-up): equal across the runs of a seed when they start from the same base policy.
     """
     if not 0 < trailing <= 1:
         raise ValueError(f"trailing must be in (0, 1], got {trailing}")
@@ -207,7 +209,20 @@ def summarize_run(
     out["collapsed"] = rule(base, best, final)
     out["tail20"] = tail_mean(records, 0.2)
     out["collapse_step"] = SUSTAINED_RULE.step(records)
+    warmup = [r["sft/final_loss"] for r in records if "sft/final_loss" in r]
+    out["warmup_loss"] = float(warmup[0]) if warmup else math.nan
     return out
+
+
+def unpaired_seeds(rows: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Seeds whose runs did not all start from the same warm-up: more than one distinct
+    ``warmup_loss`` among them (runs without one are not counted)."""
+    losses: dict[int, set[float]] = {}
+    for r in rows:
+        v = r.get("warmup_loss", math.nan)
+        if v not in (None, "") and math.isfinite(float(v)):
+            losses.setdefault(int(r["seed"]), set()).add(float(v))
+    return sorted(seed for seed, vs in losses.items() if len(vs) > 1)
 
 
 # ---------------------------------------------------------------------------------------------

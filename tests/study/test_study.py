@@ -725,3 +725,17 @@ def test_cli_report_only_writes_the_finished_and_partial_runs_and_trains_none(
     assert str(out / "results.md") in stdout
     rc, _, err = run_cli(capsys, "compare", "--report_only", str(out))
     assert rc == 2 and "--report_only is a flag of compare --grid NAME" in err
+
+
+def test_unpaired_seeds_flags_a_seed_whose_runs_had_different_warm_ups():
+    def row(seed, loss):
+        return {"seed": seed, "warmup_loss": loss}
+
+    rows = [row(0, 0.5), row(0, 0.5), row(1, 0.4), row(1, 0.41), row(2, math.nan), row(2, 0.3)]
+    assert stats.unpaired_seeds(rows) == [1]
+    assert stats.unpaired_seeds([row(0, 0.5), row(0, "")]) == []
+    r = stats.summarize_run([{"step": 0, "sft/final_loss": 0.25}, {"step": 0, "eval/pass@1": 0.1}])
+    assert r["warmup_loss"] == 0.25
+    assert math.isnan(stats.summarize_run([{"step": 0, "eval/pass@1": 0.1}])["warmup_loss"])
+    assert "pairing broken**: the runs of seed(s) 1 " in report._pairing_line(rows)
+    assert report._pairing_line(rows[:2]).startswith("- pairing: every seed's runs")
