@@ -59,6 +59,12 @@ ABOUT = {
         "Many runs at once",
         "R runs as one `jax.vmap`'d program against R runs one after another in one process.",
     ),
+    "testbed_loop": (
+        "Staleness testbed loop, per engine",
+        "the `stale_sort` preset's RL loop (GRPO, broadcast lag 1) with the static and the "
+        "continuous rollout engine in alternating runs from the same warm-up: steps/s, rollout "
+        "against train time, and the static engine's decode work on finished rows.",
+    ),
     "transformers_model_pass": (
         "Against transformers (PyTorch)",
         "the training log-prob pass (forward + backward) and KV-cache decoding of "
