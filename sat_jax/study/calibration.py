@@ -82,14 +82,16 @@ def checks(
     sat: str,
     eps_high: float = 0.2,
 ) -> list[dict[str, Any]]:
-    """One entry per learning rate of ``rows`` that has the baseline at two lags: the numbers
-    the checks read and whether each holds (None where a run is missing)."""
+    """One entry per learning rate of ``rows`` and each higher lag the baseline has beside its
+    lowest (lags 1, 8 and 16: the entries 1 / 8 and 1 / 16): the numbers the checks read and
+    whether each holds (None where a run is missing)."""
     out = []
-    for lr in sorted({r["lr"] for r in rows}):
-        lags = sorted({r["lag"] for r in rows if r["method"] == baseline and r["lr"] == lr})
-        if len(lags) < 2:
-            continue
-        lo, hi = lags[0], lags[-1]
+    for lr, lo, hi in [
+        (lr, lags[0], hi)
+        for lr in sorted({r["lr"] for r in rows})
+        for lags in [sorted({r["lag"] for r in rows if r["method"] == baseline and r["lr"] == lr})]
+        for hi in lags[1:]
+    ]:
         b_lo, b_hi = _one(rows, baseline, lo, lr), _one(rows, baseline, hi, lr)
         s_lo, s_hi = _one(rows, sat, lo, lr), _one(rows, sat, hi, lr)
         drop = b_lo["tail20"] - b_hi["tail20"]

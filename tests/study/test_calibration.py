@@ -119,3 +119,18 @@ def test_partial_runs_are_not_read_and_clip_fractions_are_shown(tmp_path):
     assert e["lr"] == 1e-4 and e["clipped"] == (0.011, 0.042) and e["passes"] is True
     md = calibration.markdown([e], baseline="grpo", sat="sat_grpo", command="c", eps_high=0.2)
     assert "1.10% / 4.20%" in md
+
+
+def test_each_higher_lag_is_its_own_entry_against_the_lowest():
+    rows = [
+        _row("grpo", 1, 3e-4, 0.70, 0.008),
+        _row("grpo", 8, 3e-4, 0.61, 0.038),
+        _row("grpo", 16, 3e-4, 0.48, 0.090),
+        _row("sat_grpo", 8, 3e-4, 0.6, 0.039, 0.02, 0.014),
+        _row("sat_grpo", 16, 3e-4, 0.5, 0.062, 0.03, 0.040),
+    ]
+    e8, e16 = calibration.checks("s", rows, baseline="grpo", sat="sat_grpo")
+    assert e8["lags"] == (1, 8) and e16["lags"] == (1, 16)
+    assert e8["base_tail20"] == (0.70, 0.61) and e16["base_tail20"] == (0.70, 0.48)
+    assert (e8["in_range"], e8["binds"], e8["passes"]) == (True, False, False)
+    assert (e16["in_range"], e16["binds"], e16["passes"]) == (False, True, False)
