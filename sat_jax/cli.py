@@ -394,9 +394,7 @@ def compare_grid(rest: list[str]) -> int:
         )
 
     if _REPORT_ONLY.value:
-        written = write({**last, "trained": [], "skipped": [s.name for s, _ in runs]})
-        for path in (written["md"], written["csv"], *written["plots"]):
-            print(path)
+        _print_paths(write({**last, "trained": [], "skipped": [s.name for s, _ in runs]}))
         return 0
     shared, components.SHARE_TRAIN_STEPS = components.SHARE_TRAIN_STEPS, _SHARE.value
     try:
@@ -421,9 +419,7 @@ def compare_grid(rest: list[str]) -> int:
         components.SHARE_TRAIN_STEPS = shared
     if invocation is None:  # interrupted: what the runs before it did
         invocation = {**last, "seconds": time.perf_counter() - t0}
-    written = write(invocation)
-    for path in (written["md"], written["csv"], *written["plots"]):
-        print(path)
+    _print_paths(write(invocation))
     if invocation["failed"]:
         print(
             f"sat-jax: {len(invocation['failed'])} runs failed: "
@@ -451,6 +447,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
         sys.exit(_fail(f"{e} (sat-jax --help)"))
     except (AttributeError, KeyError) as e:  # ml_collections: a key the config does not have
         sys.exit(_fail(_unknown_key(e)))
+
+
+def _print_paths(written: dict) -> None:
+    """The files a study report wrote, one per line."""
+    for path in (written["md"], written["csv"], *written["plots"]):
+        print(path)
 
 
 def _unknown_key(error) -> str:

@@ -86,41 +86,42 @@ def checks(
     lowest (lags 1, 8 and 16: the entries 1 / 8 and 1 / 16): the numbers the checks read and
     whether each holds (None where a run is missing)."""
     out = []
-    for lr, lo, hi in [
-        (lr, lags[0], hi)
-        for lr in sorted({r["lr"] for r in rows})
-        for lags in [sorted({r["lag"] for r in rows if r["method"] == baseline and r["lr"] == lr})]
-        for hi in lags[1:]
-    ]:
-        b_lo, b_hi = _one(rows, baseline, lo, lr), _one(rows, baseline, hi, lr)
-        s_lo, s_hi = _one(rows, sat, lo, lr), _one(rows, sat, hi, lr)
-        drop = b_lo["tail20"] - b_hi["tail20"]
-        collapsed = b_hi["collapse_step"] is not None and b_lo["collapse_step"] is None
-        mismatch = b_hi["mismatch_t25"]
-        q = s_hi["q_t25"] if s_hi else math.nan
-        binding = s_hi["binding_t25"] if s_hi else math.nan
-        entry = {
-            "setting": setting,
-            "lr": lr,
-            "lags": (lo, hi),
-            "base_tail20": (b_lo["tail20"], b_hi["tail20"]),
-            "base_collapse": (b_lo["collapse_step"], b_hi["collapse_step"]),
-            "mismatch": (b_lo["mismatch_t25"], mismatch),
-            "q": (s_lo["q_t25"] if s_lo else math.nan, q),
-            "binding": (s_lo["binding_t25"] if s_lo else math.nan, binding),
-            # Clip fractions at the high lag (baseline, SAT): what a matched-step control matches.
-            "clipped": (
-                b_hi.get("clip_t25", math.nan),
-                s_hi.get("clip_t25", math.nan) if s_hi else math.nan,
-            ),
-            "harm": bool(drop >= HARM_MARGIN or collapsed),
-            "in_range": bool(MISMATCH_RANGE[0] <= mismatch <= MISMATCH_RANGE[1]),
-            "can_act": None if s_hi is None else bool(q < math.log1p(eps_high)),
-            "binds": None if s_hi is None else bool(binding >= BINDING_MIN),
-        }
-        entry["passes"] = all(entry[k] for k in ("harm", "in_range", "can_act", "binds"))
-        out.append(entry)
+    for lr in sorted({r["lr"] for r in rows}):
+        lags = sorted({r["lag"] for r in rows if r["method"] == baseline and r["lr"] == lr})
+        out += [_entry(setting, rows, baseline, sat, eps_high, lr, lags[0], hi) for hi in lags[1:]]
     return out
+
+
+def _entry(setting, rows, baseline, sat, eps_high, lr, lo, hi) -> dict[str, Any]:
+    """The checks of one (learning rate, low lag, high lag) of a setting."""
+    b_lo, b_hi = _one(rows, baseline, lo, lr), _one(rows, baseline, hi, lr)
+    s_lo, s_hi = _one(rows, sat, lo, lr), _one(rows, sat, hi, lr)
+    drop = b_lo["tail20"] - b_hi["tail20"]
+    collapsed = b_hi["collapse_step"] is not None and b_lo["collapse_step"] is None
+    mismatch = b_hi["mismatch_t25"]
+    q = s_hi["q_t25"] if s_hi else math.nan
+    binding = s_hi["binding_t25"] if s_hi else math.nan
+    entry = {
+        "setting": setting,
+        "lr": lr,
+        "lags": (lo, hi),
+        "base_tail20": (b_lo["tail20"], b_hi["tail20"]),
+        "base_collapse": (b_lo["collapse_step"], b_hi["collapse_step"]),
+        "mismatch": (b_lo["mismatch_t25"], mismatch),
+        "q": (s_lo["q_t25"] if s_lo else math.nan, q),
+        "binding": (s_lo["binding_t25"] if s_lo else math.nan, binding),
+        # Clip fractions at the high lag (baseline, SAT): what a matched-step control matches.
+        "clipped": (
+            b_hi.get("clip_t25", math.nan),
+            s_hi.get("clip_t25", math.nan) if s_hi else math.nan,
+        ),
+        "harm": bool(drop >= HARM_MARGIN or collapsed),
+        "in_range": bool(MISMATCH_RANGE[0] <= mismatch <= MISMATCH_RANGE[1]),
+        "can_act": None if s_hi is None else bool(q < math.log1p(eps_high)),
+        "binds": None if s_hi is None else bool(binding >= BINDING_MIN),
+    }
+    entry["passes"] = all(entry[k] for k in ("harm", "in_range", "can_act", "binds"))
+    return entry
 
 
 def choose(entries: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:

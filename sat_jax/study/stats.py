@@ -209,8 +209,9 @@ def summarize_run(
     out["collapsed"] = rule(base, best, final)
     out["tail20"] = tail_mean(records, 0.2)
     out["collapse_step"] = SUSTAINED_RULE.step(records)
-    warmup = [r["sft/final_loss"] for r in records if "sft/final_loss" in r]
-    out["warmup_loss"] = float(warmup[0]) if warmup else math.nan
+    out["warmup_loss"] = float(
+        next((r["sft/final_loss"] for r in records if "sft/final_loss" in r), math.nan)
+    )
     return out
 
 
