@@ -33,6 +33,14 @@ ABOUT = {
         "KV-cache decode against recomputing the prefix, the training log-prob pass forward and "
         "forward + backward, and their FLOP/s against a float32 matmul of the same run.",
     ),
+    "engines": (
+        "Rollout engines on spread-out lengths",
+        "the continuous engine against the static batch and transformers' `generate` "
+        "(`benchmarks/peers/generate_torch.py`, same weights, prompts and per-sequence length "
+        "limits, in static batches as `generate` runs them), timed round-robin in one run on a "
+        "heavy-tailed and a long-response workload: useful tokens/s, the decode work on finished "
+        "rows, and `continuous_over_*` (> 1: continuous is faster).",
+    ),
     "moe": (
         "MoE layer",
         "forward and forward + backward of every `expert_ffn` path (dense, ragged, blocked) and "

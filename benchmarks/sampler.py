@@ -9,41 +9,33 @@ Measures, in one run (jitted, block_until_ready, median of repeats after a warm-
   forward + backward, in tokens/s;
 * achieved FLOP/s of that forward (XLA's cost analysis of the compiled program divided by the
   measured time) as a fraction of a plain float32 ``jnp.dot`` matmul's FLOP/s measured here;
-* continuous batching against the static batch on workloads with spread-out response lengths
-  (``heavy_tail``: 90 % of responses N/8 tokens, 10 % N; ``long_response``: 25–50 tokens, the
-  long-response tasks' profile), lengths set by per-sequence limits so both engines decode the
-  same lengths: useful (response) tokens/s of each, timed round-robin in one run, their paired
-  ratio, and the share of decode row-steps spent on rows that had already finished (static:
-  rows waiting for their batch's longest; continuous: slots waiting for the next harvest, or
-  free). The static engine runs batches of ``--batch`` sequences; the continuous one
-  ``--batch`` slots.
 
-Usage: ``python benchmarks/sampler.py [--batch 8] [--prompt 16] [--new 128] [--repeats 5]
-[--sequences 64] [--group 4] [--harvest-every 4] [--workloads-only]``.
+The engines on spread-out response lengths (continuous against static, and transformers'
+``generate``) are ``benchmarks/engines.py``'s.
+
+Usage: ``python benchmarks/sampler.py [--batch 8] [--prompt 16] [--new 128] [--repeats 5]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import interleaved_ms, median_seconds, paired_ratio
+from _timing import median_seconds
 from flax import nnx
 
 from sat_jax.models import (
     ModelConfig,
     init_model,
     param_count,
-    save_hf,
     scale_logits,
     token_logprobs,
 )
-from sat_jax.sampling import ContinuousSampler, Sampler, SamplingParams
+from sat_jax.sampling import Sampler, SamplingParams
 
 
 def _flops(jitted, *args, **kwargs) -> float:
@@ -53,105 +45,6 @@ def _flops(jitted, *args, **kwargs) -> float:
     return float(cost.get("flops", float("nan")))
 
 
-def _limits(profile: str, sequences: int, n: int, rng) -> np.ndarray:
-    if profile == "heavy_tail":
-        return np.where(rng.random(sequences) < 0.1, n, max(1, n // 8)).astype(np.int32)
-    return rng.integers(25, 51, size=sequences).astype(np.int32)  # long_response
-
-
-def _workloads(cfg, params, args, export: str = "") -> dict:
-    """Static batches vs continuous slots on the same prompts, limits and sampling; with
-    ``export``, the workloads are also written to ``export``/workloads.json."""
-    rng = np.random.default_rng(1)
-    peer: dict = {}
-    out = {
-        profile: _compare(cfg, params, args, profile, n, rng, peer)
-        for profile, n in (("heavy_tail", args.new), ("long_response", 50))
-    }
-    if export:
-        os.makedirs(export, exist_ok=True)
-        with open(os.path.join(export, "workloads.json"), "w") as f:
-            json.dump(peer, f)
-    out["engines"] = {
-        "static_batch": args.batch,
-        "slots": args.batch,
-        "harvest_every": args.harvest_every,
-    }
-    return out
-
-
-def _compare(cfg, params, args, profile: str, n: int, rng, peer: dict) -> dict:
-    b, p, g, h = args.batch, args.prompt, args.group, args.harvest_every
-    common = dict(max_prompt_len=p, max_new_tokens=n, eos_id=cfg.vocab_size - 1)
-    static = Sampler(cfg, **common)
-    slots = ContinuousSampler(cfg, num_slots=b, harvest_every=h, group_size=g, **common)
-    m = args.sequences // g
-    lengths = rng.integers(p // 2, p + 1, size=m)
-    prompts = rng.integers(2, cfg.vocab_size - 1, size=(m, p))
-    limits = _limits(profile, m * g, n, rng)
-    rows, row_lengths = np.repeat(prompts, g, axis=0), np.repeat(lengths, g)
-    peer[profile] = {
-        "batch": b,
-        "group": g,
-        "prompts": prompts.tolist(),
-        "prompt_lengths": lengths.tolist(),
-        "limits": limits.tolist(),
-        "eos_id": cfg.vocab_size - 1,
-        "pad_id": 0,
-    }
-    key, sp = jax.random.key(2), SamplingParams()
-    stats = {}
-
-    def run_static():
-        outs = [
-            static.generate(
-                params,
-                rows[i : i + b],
-                row_lengths[i : i + b],
-                jax.random.fold_in(key, i),
-                sp,
-                group_size=g,
-                max_lengths=limits[i : i + b],
-            )
-            for i in range(0, len(rows), b)
-        ]
-        steps = sum(int(np.max(o.response_lengths)) * o.tokens.shape[0] for o in outs)
-        stats["static"] = (sum(int(np.sum(o.response_lengths)) for o in outs), steps)
-        return [o.tokens for o in outs]
-
-    def run_slots():
-        run = slots.session(key, sp)
-        run.add(prompts, lengths, prompt_ids=np.arange(m), max_lengths=limits)
-        groups = []
-        while run.pending:
-            groups += run.advance(params, 0)
-        stats["continuous"] = (run.live_steps, run.slot_steps)
-        return [grp.output.tokens for grp in groups]
-
-    ms, rounds = interleaved_ms(
-        {"static": lambda: run_static(), "continuous": lambda: run_slots()}, (), args.repeats
-    )
-    res = {
-        "sequences": m * g,
-        "group": g,
-        "max_new_tokens": n,
-        "mean_limit": float(limits.mean()),
-    }
-    for name in ("static", "continuous"):
-        useful, row_steps = stats[name]
-        res[name] = {
-            "useful_tokens": useful,
-            "useful_tokens_per_s": useful / (ms[name] / 1e3),
-            "seconds": ms[name] / 1e3,
-            "finished_row_decode_share": 1.0 - useful / row_steps,
-        }
-    res["continuous_over_static_time"] = paired_ratio(rounds, "continuous", "static")
-    res["speedup_useful_tokens_per_s"] = (
-        res["continuous"]["useful_tokens_per_s"] / res["static"]["useful_tokens_per_s"]
-    )
-    return res
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -159,30 +52,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--matmul", type=int, default=1024)
-    ap.add_argument("--sequences", type=int, default=64, help="workload sequences (× group)")
-    ap.add_argument("--group", type=int, default=4, help="workload samples per prompt")
-    ap.add_argument("--harvest-every", type=int, default=4, help="continuous engine window")
-    ap.add_argument("--workloads-only", action="store_true", help="only the engine comparison")
-    ap.add_argument(
-        "--export-peer",
-        default="",
-        help="also write the model (Hugging Face format) and the workloads here, for "
-        "benchmarks/peers/generate_torch.py",
-    )
     args = ap.parse_args()
     b, p, n = args.batch, args.prompt, args.new
 
     cfg = ModelConfig.tiny()
     graphdef, params = init_model(cfg, seed=0)
     device = f"{jax.devices()[0].platform} ({platform.processor() or platform.machine()})"
-    workloads = _workloads(cfg, params, args, export=args.export_peer)
-    if args.export_peer:
-        save_hf(args.export_peer, cfg, params)
-    if args.workloads_only:
-        print(
-            json.dumps({"device": device, "jax": jax.__version__, "workloads": workloads}, indent=2)
-        )
-        return
     # No token id is the EOS, so every run decodes exactly n steps.
     sampler = Sampler(cfg, max_prompt_len=p, max_new_tokens=n, eos_id=cfg.vocab_size - 1)
     rng = np.random.default_rng(0)
@@ -278,7 +153,6 @@ def main() -> None:
             "forward": flops_fwd / t_fwd / dot_flops_s,
             "forward_backward": flops_fwd_bwd / t_fwd_bwd / dot_flops_s,
         },
-        "workloads": workloads,
     }
     print(json.dumps(result, indent=2))
     import _results  # benchmarks/results/sampler.json, which benchmarks/report.py renders

@@ -1,14 +1,16 @@
-"""transformers' ``generate`` on the workloads of ``benchmarks/sampler.py``; prints JSON.
+"""transformers' ``generate`` on the workloads of ``benchmarks/engines.py``; prints JSON.
 
-The peer of the continuous engine: the same tiny model's weights (written by
-``python benchmarks/sampler.py --export-peer DIR``, a Hugging Face checkpoint) and the same
-prompts and per-sequence length limits, decoded as ``generate`` does, in static batches of
-``batch`` sequences (left-padded, sampling at temperature 1, no truncation), each batch to its
-longest limit. Useful tokens are those within each sequence's limit (and up to its EOS), as the
-JAX engines count them. Runs in a torch environment without JAX::
+The peer of the continuous engine: the same tiny model's weights (a Hugging Face checkpoint in
+DIR) and the same prompts and per-sequence length limits (DIR/workloads.json), decoded as
+``generate`` does, in static batches of ``batch`` sequences (left-padded, sampling at
+temperature 1, no truncation), each batch to its longest limit. Useful tokens are those within
+each sequence's limit (and up to its EOS), as the JAX engines count them. Runs in a torch
+environment without JAX. ``benchmarks/engines.py --torch-python PY`` starts it with ``--serve``
+(one JSON line of versions, then one pass per workload name read from stdin, one JSON line
+each), so that its passes are timed round-robin with the JAX engines'; alone it times
+``--repeats`` passes per workload::
 
-    python benchmarks/sampler.py --workloads-only --export-peer /tmp/peer   # JAX venv
-    /work/venvs/torch/bin/python benchmarks/peers/generate_torch.py /tmp/peer [--repeats 3]
+    /work/venvs/torch/bin/python benchmarks/peers/generate_torch.py DIR [--repeats 3]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -68,27 +71,36 @@ def _run(model, work: dict) -> tuple[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("peer_dir", help="directory written by benchmarks/sampler.py --export-peer")
+    ap.add_argument("peer_dir", help="a Hugging Face checkpoint and its workloads.json")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", default="", help="one workload (heavy_tail | long_response)")
     ap.add_argument("--no-warmup", action="store_true", help="time the first pass too")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's)")
+    ap.add_argument("--serve", action="store_true", help="one pass per workload name on stdin")
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.peer_dir, dtype=torch.float32)
     model.eval()
     with open(f"{args.peer_dir}/workloads.json") as f:
         workloads = json.load(f)
-    result = {
+    info = {
         "device": f"cpu ({platform.processor() or platform.machine()})",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
-        "workloads": {},
     }
+    torch.manual_seed(0)
+    if args.serve:
+        print(json.dumps(info), flush=True)
+        for line in sys.stdin:
+            useful, steps = _run(model, workloads[line.strip()])
+            print(json.dumps({"useful_tokens": useful, "row_steps": steps}), flush=True)
+        return
+    result = dict(info, workloads={})
     for name, work in workloads.items():
         if args.only and name != args.only:
             continue
-        torch.manual_seed(0)
         if not args.no_warmup:
             _run(model, work)
         times, useful, steps = [], 0, 0
