@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 from etils import epath
 
 from sat_jax import parallel
@@ -239,6 +240,31 @@ def _with_horizon(config, horizon: int):
     return config
 
 
+
+def combine_updates(updates: list[dict]) -> dict[str, float]:
+    """One step's metrics from the metrics of its optimizer updates (minibatches × passes).
+
+    A maximum (a name ending in ``max``) is the maximum over the updates, a minimum (``min``) the
+    minimum, every other figure (rates, means, percentiles, norms) the mean over the updates;
+    ``optim/nonfinite_updates`` counts the updates refused as non-finite, and ``optim/nonfinite``
+    is 1 when any was.
+    """
+    if not updates:
+        raise ValueError("combine_updates: a step has at least one update")
+    out = {}
+    for key in updates[0]:
+        values = np.asarray([float(u[key]) for u in updates], np.float64)
+        if key.endswith("max"):
+            out[key] = float(values.max())
+        elif key.endswith("min"):
+            out[key] = float(values.min())
+        else:
+            out[key] = float(values.mean())
+    refused = np.asarray([float(u["optim/nonfinite"]) for u in updates])
+    out["optim/nonfinite"] = float(refused.max())
+    out["optim/nonfinite_updates"] = float(refused.sum())
+    return out
+
 class _Session:
     """One training session: the run's parts, state, rollout source, logs and checkpoints."""
 
@@ -309,16 +335,15 @@ class _Session:
         if self.parts.spec.needs_ref:
             extra["ref"] = self.ref_params
         o = self.config.optim
-        skipped = 0.0  # updates the step refused (non-finite), summed on device
+        updates = []
         for _ in range(o.updates_per_batch):
             for mb in rollout.batch.minibatches(o.num_minibatches):
                 share = trainer.shares_prompt(mb, self.parts.spec, self.config.data.max_prompt_len)
                 self.state, metrics = self.train_step(
                     self.state, mb.shard(self.parts.mesh), extra, share=share
                 )
-                skipped = skipped + metrics["optim/nonfinite"]
-        metrics = dict(metrics, **{"optim/nonfinite_updates": skipped})
-        return {k: float(v) for k, v in parallel.to_host(metrics).items()}
+                updates.append(metrics)
+        return combine_updates(parallel.to_host(updates))
 
     def check_finite(self, step: int, train: dict[str, float]) -> None:
         """Warns about refused updates; raises ``NonFiniteError`` after too many in a row."""
