@@ -240,7 +240,6 @@ def _with_horizon(config, horizon: int):
     return config
 
 
-
 def combine_updates(updates: list[dict]) -> dict[str, float]:
     """One step's metrics from the metrics of its optimizer updates (minibatches × passes).
 
@@ -264,6 +263,7 @@ def combine_updates(updates: list[dict]) -> dict[str, float]:
     out["optim/nonfinite"] = float(refused.max())
     out["optim/nonfinite_updates"] = float(refused.sum())
     return out
+
 
 class _Session:
     """One training session: the run's parts, state, rollout source, logs and checkpoints."""
