@@ -35,7 +35,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 
 import jax
@@ -222,7 +221,6 @@ def main() -> None:
         "workloads": workloads,
     }
     print(json.dumps(result, indent=2))
-    sys.path.insert(0, HERE)
     import _results  # benchmarks/results/engines.json, which benchmarks/report.py renders
 
     _results.write("engines", result)
