@@ -3,8 +3,9 @@ counted run, from the mismatch a setting produces and the harm staleness does to
 never from how SAT fares against it.
 
 A *setting* is one study directory of single-seed ``sat-jax compare --grid`` runs (its knobs are
-the ``--set`` overrides it was run with) at one learning rate, holding the baseline and the SAT
-method at a low and a high lag. It passes when all four checks hold:
+the ``--set`` overrides it was run with) at one learning rate, holding a baseline and the SAT
+method on that baseline (a *family*: GRPO and SAT-GRPO, GSPO and SAT-GSPO, ...) at a low and a
+high lag. It passes when all four checks hold:
 
 1. **harm**: the baseline at the high lag ends lower than at the low lag (mean held-out pass@1 over
    the last 20% of evaluations, ``tail20``, lower by at least :data:`HARM_MARGIN`), or collapses
@@ -19,8 +20,11 @@ method at a low and a high lag. It passes when all four checks hold:
 Among passing settings the one chosen has the highest binding rate (ties: the lower learning
 rate). SAT's own accuracy is not read here.
 
-    python -m sat_jax.study.calibration --baseline grpo --sat sat_grpo \\
+    python -m sat_jax.study.calibration --baseline grpo,gspo --sat sat_grpo,sat_gspo \\
         --out docs/results/stale/phase0.md studies/phase0/*
+
+(``--baseline`` and ``--sat`` name the families pairwise; each directory is read for every family
+whose baseline it holds.)
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ def _entry(setting, rows, baseline, sat, eps_high, lr, lo, hi) -> dict[str, Any]
     binding = s_hi["binding_t25"] if s_hi else math.nan
     entry = {
         "setting": setting,
+        "arms": (baseline, sat),
         "lr": lr,
         "lags": (lo, hi),
         "base_tail20": (b_lo["tail20"], b_hi["tail20"]),
@@ -145,7 +150,11 @@ def _pair(p, digits=3) -> str:
 
 
 def markdown(
-    entries: Sequence[Mapping[str, Any]], *, baseline: str, sat: str, command: str, eps_high: float
+    entries: Sequence[Mapping[str, Any]],
+    *,
+    families: Sequence[tuple[str, str]],
+    command: str,
+    eps_high: float,
 ) -> str:
     from sat_jax.study.report import provenance
 
@@ -154,8 +163,10 @@ def markdown(
     lines = [
         "# Staleness study, phase 0: the calibration map",
         "",
-        f"Single-seed runs of `{baseline}` (the baseline) and `{sat}` at a low and a high lag, per "
-        "setting (a study directory: its knobs) and learning rate. The checks are "
+        "Single-seed runs of a baseline and SAT on it ("
+        + ", ".join(f"`{b}` and `{s}`" for b, s in families)
+        + ") at a low and a high lag, per setting (a study directory: its knobs) and learning "
+        "rate. The checks are "
         "`sat_jax/study/calibration.py`'s: harm (baseline tail20 lower at the high lag by "
         f"≥ {HARM_MARGIN}, or a sustained collapse), d̄_π at the high lag in "
         f"[{MISMATCH_RANGE[0]}, {MISMATCH_RANGE[1]}], q < log(1 + {eps_high}) = "
@@ -169,6 +180,7 @@ def markdown(
     ]
     headers = [
         "setting",
+        "baseline / SAT",
         "lr",
         "lags",
         "baseline tail20 lo / hi",
@@ -186,6 +198,7 @@ def markdown(
     table = [
         [
             e["setting"],
+            " / ".join(f"`{a}`" for a in e["arms"]),
             f"{e['lr']:g}",
             f"{e['lags'][0]} / {e['lags'][1]}",
             _pair(e["base_tail20"]),
@@ -205,7 +218,8 @@ def markdown(
     lines += [stats.markdown_table(headers, table), ""]
     if chosen:
         lines.append(
-            f"**Chosen**: setting `{chosen['setting']}` at lr {chosen['lr']:g} (lags "
+            f"**Chosen**: setting `{chosen['setting']}`, `{chosen['arms'][0]}` and "
+            f"`{chosen['arms'][1]}`, at lr {chosen['lr']:g} (lags "
             f"{chosen['lags'][0]} and {chosen['lags'][1]}): every check holds, and its binding "
             f"rate ({chosen['binding'][1]:.2%}) is the highest of the passing settings."
         )
@@ -219,11 +233,19 @@ def markdown(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("study_dirs", nargs="+", help="phase-0 study directories")
-    parser.add_argument("--baseline", required=True)
-    parser.add_argument("--sat", required=True)
+    parser.add_argument(
+        "--baseline", required=True, help="baseline method(s), comma-separated, e.g. grpo,gspo"
+    )
+    parser.add_argument(
+        "--sat", required=True, help="SAT method on each baseline, in order, e.g. sat_grpo,sat_gspo"
+    )
     parser.add_argument("--eps-high", type=float, default=0.2)
     parser.add_argument("--out", required=True, help="markdown file to write")
     args = parser.parse_args(argv)
+    baselines, sats = args.baseline.split(","), args.sat.split(",")
+    if len(baselines) != len(sats):
+        parser.error(f"--baseline {args.baseline!r} and --sat {args.sat!r} name unequal counts")
+    families = list(zip(baselines, sats, strict=True))
     entries = []
     for d in args.study_dirs:
         try:
@@ -231,19 +253,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         except FileNotFoundError as e:
             print(f"calibration: {e}", file=sys.stderr)
             return 2
-        entries += checks(
-            os.path.basename(os.path.normpath(d)),
-            rows,
-            baseline=args.baseline,
-            sat=args.sat,
-            eps_high=args.eps_high,
-        )
+        for baseline, sat in families:
+            entries += checks(
+                os.path.basename(os.path.normpath(d)),
+                rows,
+                baseline=baseline,
+                sat=sat,
+                eps_high=args.eps_high,
+            )
     command = "python -m sat_jax.study.calibration " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
-    text = markdown(
-        entries, baseline=args.baseline, sat=args.sat, command=command, eps_high=args.eps_high
-    )
+    text = markdown(entries, families=families, command=command, eps_high=args.eps_high)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         f.write(text)

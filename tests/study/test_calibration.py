@@ -73,8 +73,9 @@ def test_checks_and_choice(tmp_path):
     assert math.isnan(e["q"][1])
     assert calibration.choose(entries)["lr"] == 1e-4
     assert calibration.choose([by_lr[3e-4]]) is None
-    md = calibration.markdown(entries, baseline="grpo", sat="sat_grpo", command="c", eps_high=0.2)
-    assert "**Chosen**: setting `bf16` at lr 0.0001" in md and "0.182" in md
+    md = calibration.markdown(entries, families=[("grpo", "sat_grpo")], command="c", eps_high=0.2)
+    assert "**Chosen**: setting `bf16`, `grpo` and `sat_grpo`, at lr 0.0001" in md
+    assert "0.182" in md
 
 
 def test_choose_prefers_binding_then_the_lower_lr():
@@ -117,7 +118,7 @@ def test_partial_runs_are_not_read_and_clip_fractions_are_shown(tmp_path):
     assert len(read) == 4
     (e,) = calibration.checks("s", read, baseline="grpo", sat="sat_grpo")
     assert e["lr"] == 1e-4 and e["clipped"] == (0.011, 0.042) and e["passes"] is True
-    md = calibration.markdown([e], baseline="grpo", sat="sat_grpo", command="c", eps_high=0.2)
+    md = calibration.markdown([e], families=[("grpo", "sat_grpo")], command="c", eps_high=0.2)
     assert "1.10% / 4.20%" in md
 
 
@@ -134,3 +135,37 @@ def test_each_higher_lag_is_its_own_entry_against_the_lowest():
     assert e8["base_tail20"] == (0.70, 0.61) and e16["base_tail20"] == (0.70, 0.48)
     assert (e8["in_range"], e8["binds"], e8["passes"]) == (True, False, False)
     assert (e16["in_range"], e16["binds"], e16["passes"]) == (False, True, False)
+
+
+def test_each_family_is_read_from_the_directories_that_hold_its_baseline(tmp_path, capsys):
+    # One directory with GSPO and SAT-GSPO only, one with GRPO and SAT-GRPO only: each gives
+    # the entries of its own family, and a family whose baseline a directory lacks gives none.
+    _write(
+        tmp_path / "gspo",
+        [
+            _row("gspo", 1, 3e-4, 0.70, 0.008),
+            _row("gspo", 8, 3e-4, 0.50, 0.030),
+            _row("sat_gspo", 8, 3e-4, 0.6, 0.030, 0.04, 0.045),
+        ],
+    )
+    _write(
+        tmp_path / "grpo",
+        [
+            _row("grpo", 1, 3e-4, 0.70, 0.008),
+            _row("grpo", 8, 3e-4, 0.61, 0.038),
+            _row("sat_grpo", 8, 3e-4, 0.6, 0.039, 0.02, 0.014),
+        ],
+    )
+    gspo_rows = calibration.read_rows(tmp_path / "gspo")
+    assert calibration.checks("gspo", gspo_rows, baseline="grpo", sat="sat_grpo") == []
+    out = tmp_path / "phase0.md"
+    args = ["--baseline", "grpo,gspo", "--sat", "sat_grpo,sat_gspo", "--out", str(out)]
+    assert calibration.main([*args, str(tmp_path / "grpo"), str(tmp_path / "gspo")]) == 0
+    md = out.read_text()
+    assert "| grpo | `grpo` / `sat_grpo` | 0.0003 | 1 / 8 |" in md
+    assert "| gspo | `gspo` / `sat_gspo` | 0.0003 | 1 / 8 |" in md
+    assert md.count("| 0.0003 | 1 / 8 |") == 2
+    assert "**Chosen**: setting `gspo`, `gspo` and `sat_gspo`, at lr 0.0003" in md
+    with pytest.raises(SystemExit):
+        calibration.main(["--baseline", "grpo,gspo", "--sat", "sat_grpo", "--out", str(out), "x"])
+    assert "name unequal counts" in capsys.readouterr().err
