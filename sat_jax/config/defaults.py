@@ -141,6 +141,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.loss.icepop_high = 5.0
     c.loss.kpop_phi = 0.0  # KPop's threshold φ > 0: required with correction=kpop (no default)
     c.loss.kl_coef = 0.0  # low-variance KL to the initial policy (paper: 1e-3)
+    # Entropy bonus: loss −= entropy_coef × the policy's entropy at the sampled positions,
+    # aggregated like the objective (paper: 0). A knob of the staleness testbed.
+    c.loss.entropy_coef = 0.0
     c.loss.ratio_denominator = "rollout"  # rollout (Eq. 51) | recompute
     c.loss.r3 = True  # replay rollout routing in the trainer (Eq. 40)
     c.loss.support_replay = True  # replay top-p/top-k cut-offs (Eq. 50)

@@ -97,6 +97,7 @@ def loss_spec(config) -> trainer.LossSpec:
         correction_kwargs=tuple(sorted(corr.items())),
         ratio_denominator=c.ratio_denominator,
         kl_coef=float(c.kl_coef),
+        entropy_coef=float(c.entropy_coef),
         r3=bool(c.r3),
         support_replay=bool(c.support_replay),
         temperature=float(config.rollout.temperature),
@@ -153,6 +154,8 @@ def _check_loss(config) -> None:
             _fail(f"{', '.join(keys)} (checked by {name!r}): {e}")
     if not (c.kl_coef >= 0 and math.isfinite(c.kl_coef)):
         _fail(f"loss.kl_coef must be >= 0, got {c.kl_coef}")
+    if not (c.entropy_coef >= 0 and math.isfinite(c.entropy_coef)):
+        _fail(f"loss.entropy_coef must be >= 0, got {c.entropy_coef}")
     if c.ratio_denominator not in ("rollout", "recompute"):
         _fail(f"loss.ratio_denominator must be rollout|recompute, got {c.ratio_denominator!r}")
     if c.advantage not in advantages.names():

@@ -62,6 +62,9 @@ class LossSpec:
     correction_kwargs: tuple[tuple[str, Any], ...] = ()
     ratio_denominator: str = "rollout"  # rollout | recompute
     kl_coef: float = 0.0
+    # Entropy bonus: the loss subtracts this × the aggregated policy entropy of the sampled
+    # positions (the full distribution's, over the replayed support), 0 = off.
+    entropy_coef: float = 0.0
     r3: bool = True
     support_replay: bool = True
     temperature: float = 1.0
@@ -250,6 +253,10 @@ def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_na
     if flips is not None:
         metrics["routing/flip_rate"] = losses.aggregate(flips, mask, "token-mean", axis_name)
     metrics["train/entropy"] = losses.aggregate(entropy, mask, "token-mean", axis_name)
+    if spec.entropy_coef > 0:
+        bonus = losses.aggregate(entropy, mask, spec.aggregation, axis_name)
+        loss = loss - spec.entropy_coef * bonus
+        metrics["loss/entropy_bonus"] = spec.entropy_coef * bonus
     return loss, metrics
 
 

@@ -61,6 +61,7 @@ INVALID = [
     ("loss.aggregation=mean", "loss.aggregation must be one of"),
     ("loss.advantage=ppo", "loss.advantage must be one of"),
     ("loss.kl_coef=-1", "loss.kl_coef must be >= 0"),
+    ("loss.entropy_coef=-0.01", "loss.entropy_coef must be >= 0, got -0.01"),
     ("loss.ratio_denominator=x", "loss.ratio_denominator must be"),
     ("rollout.group_size=1", "rollout.group_size=1 with loss.advantage='grpo'"),
     ("rollout.top_p=0", "rollout.top_p must be in (0, 1]"),
