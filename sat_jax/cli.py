@@ -105,7 +105,7 @@ _LAG_MODE = flags.DEFINE_enum(
     "lag_mode",
     "broadcast",
     ["fixed", "broadcast", "sampled", "stream"],
-    "Lag mode of every run (compare --grid).",
+    "Lag mode of every run (compare --grid; unset: the grid's own if it fixes one).",
 )
 _SET = flags.DEFINE_multi_string(
     "set",
@@ -357,7 +357,9 @@ def compare_grid(rest: list[str]) -> int:
             methods=methods,
             baseline=_BASELINE.value,
         )
-        runs = study_grid.expand(grid, out, lag_mode=_LAG_MODE.value, overrides=_SET.value)
+        # An explicit --lag_mode wins; else the grid's own (a protocol's), else the flag's default.
+        lag_mode = _LAG_MODE.value if _LAG_MODE.present else grid.lag_mode or _LAG_MODE.value
+        runs = study_grid.expand(grid, out, lag_mode=lag_mode, overrides=_SET.value)
         for spec, config in runs:
             try:
                 validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
@@ -386,7 +388,7 @@ def compare_grid(rest: list[str]) -> int:
             grid,
             runs,
             command=command,
-            lag_mode=_LAG_MODE.value,
+            lag_mode=lag_mode,
             overrides=_SET.value,
             invocation=progress,
             eps=sat_eps[0] if sat_eps else 0.2,

@@ -21,6 +21,7 @@ from typing import Any
 
 from sat_jax import config as config_lib
 from sat_jax.config.presets import PRESETS
+from sat_jax.rl.lag import MODES as LAG_MODES
 
 #: Method name -> (objective, R3, correction): the paper's grid (Table 1), as in configs/.
 METHODS: dict[str, tuple[str, bool, str]] = {
@@ -109,6 +110,9 @@ class Grid:
     preset: str = "default"
     method_loss: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
     settings: tuple[str, ...] = ()
+    #: The grid's own lag mode (a protocol fixes it); None: the command's ``--lag_mode``. An
+    #: explicit ``--lag_mode`` still wins (its runs are named by their mode).
+    lag_mode: str | None = None
 
 
 GRIDS: dict[str, Grid] = {
@@ -176,6 +180,7 @@ def stale_grid(
     tight_eps: float = TIGHT_EPS,
     preset: str = "stale",
     settings: Sequence[str] = (),
+    lag_mode: str | None = None,
 ) -> Grid:
     """The staleness study's grid: ``arms`` × ``lags`` × ``seeds`` on the ``preset`` base run,
     paired on seed.
@@ -184,13 +189,13 @@ def stale_grid(
     control, at lag 1 and a high lag, 8 seeds; the pre-registered comparison ``primary`` is
     (treatment, control) = (SAT, base)); the protocol (docs/results/stale/PROTOCOL.md) fixes
     the arms, lags, seeds, the control's ``tight_eps`` (ε_low = ε_high of every ``*_tight``
-    arm) and the ``settings`` (``KEY=VALUE`` over the preset: mismatch knobs, learning rate)
-    after calibration, and ``GRIDS["stale"]`` is then this function at those values.
+    arm), the ``settings`` (``KEY=VALUE`` over the preset: mismatch knobs, learning rate) and the
+    ``lag_mode`` after calibration, and ``GRIDS["stale"]`` is then this function at those values.
 
     Raises:
       ValueError: an unknown arm or preset, a baseline or primary arm not among the arms,
         seeds < 1, no lags, ``tight_eps`` outside (0, 1), a setting that names a field the grid
-        sets itself.
+        sets itself, an unknown lag mode.
     """
     arms = tuple(arms)
     unknown = [a for a in arms if a not in METHODS]
@@ -215,6 +220,8 @@ def stale_grid(
     for item in settings:
         if item.partition("=")[0] in GRID_FIELDS:
             raise ValueError(f"stale grid: setting {item!r} names a field the grid sets")
+    if lag_mode is not None and lag_mode not in LAG_MODES:
+        raise ValueError(f"stale grid: lag_mode must be one of {LAG_MODES}, got {lag_mode!r}")
     eps = (("eps_low", float(tight_eps)), ("eps_high", float(tight_eps)))
     return Grid(
         "stale",
@@ -228,6 +235,7 @@ def stale_grid(
         preset=preset,
         method_loss=tuple((a, eps) for a in arms if a in METHOD_LOSS),
         settings=tuple(settings),
+        lag_mode=lag_mode,
     )
 
 
@@ -397,10 +405,11 @@ def method_config(method: str, preset: str = "default", loss: Mapping[str, Any] 
 
 
 def expand(
-    grid: Grid, out_dir: str, *, lag_mode: str = "broadcast", overrides: Sequence[str] = ()
+    grid: Grid, out_dir: str, *, lag_mode: str | None = None, overrides: Sequence[str] = ()
 ) -> list[tuple[RunSpec, object]]:
     """(spec, config) of every run of ``grid``: methods × lags × learning rates × seeds in that
     order (seed innermost, so one method's runs, which share a compiled step, are adjacent).
+    ``lag_mode``: every run's (None: the grid's own, else broadcast).
 
     ``overrides`` (``KEY=VALUE``, :func:`apply_override`) apply to every run before the grid's own
     fields; a learning rate from ``grid.lrs`` replaces ``optim.learning_rate``.
@@ -419,6 +428,7 @@ def expand(
             raise ValueError(
                 "--set optim.learning_rate: this grid varies the learning rate; use --lrs"
             )
+    lag_mode = lag_mode or grid.lag_mode or "broadcast"
     out = []
     method_loss = {m: dict(fields) for m, fields in grid.method_loss}
     for method, lag in itertools.product(grid.methods, grid.lags):

@@ -106,6 +106,19 @@ def test_stale_grid_expands_to_exactly_its_declared_runs(tmp_path):
     assert tis and all(c.loss.tis_pg_cap == 2.0 for c in tis)
 
 
+def test_a_grid_fixes_its_own_lag_mode_and_an_explicit_one_wins(tmp_path):
+    g = study_grid.stale_grid(
+        ("gspo", "sat_gspo"), baseline="gspo", primary=None, seeds=1, lag_mode="fixed"
+    )
+    runs = study_grid.expand(g, str(tmp_path))
+    assert {(s.lag_mode, c.lag_mode) for s, c in runs} == {("fixed", "fixed")}
+    assert runs[0][0].name == "gspo-fixed1-lr0.0001-seed0"
+    runs = study_grid.expand(g, str(tmp_path), lag_mode="broadcast")
+    assert {(s.lag_mode, c.lag_mode) for s, c in runs} == {("broadcast", "broadcast")}
+    # A grid that fixes none: broadcast.
+    assert study_grid.expand(study_grid.resolve("stale-phase0"), "x")[0][0].lag_mode == "broadcast"
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -118,6 +131,7 @@ def test_stale_grid_expands_to_exactly_its_declared_runs(tmp_path):
         (dict(lags=()), "lags must be non-negative"),
         (dict(tight_eps=1.5), "tight_eps must lie in"),
         (dict(settings=("lag=3",)), "names a field the grid sets"),
+        (dict(lag_mode="queue"), "lag_mode must be one of"),
     ],
 )
 def test_stale_grid_refuses_bad_parameters(kwargs, match):
@@ -725,6 +739,30 @@ def test_cli_report_only_writes_the_finished_and_partial_runs_and_trains_none(
     assert str(out / "results.md") in stdout
     rc, _, err = run_cli(capsys, "compare", "--report_only", str(out))
     assert rc == 2 and "--report_only is a flag of compare --grid NAME" in err
+
+
+def test_cli_compare_takes_the_grids_own_lag_mode(capsys, tmp_path, no_training, monkeypatch):
+    fixed = dataclasses.replace(study_grid.GRIDS["stale-phase0"], lag_mode="fixed")
+    monkeypatch.setitem(study_grid.GRIDS, "stale-phase0", fixed)
+    out = tmp_path / "study"
+    ((spec, config),) = study_grid.expand(
+        study_grid.resolve("stale-phase0", methods=["grpo"], lags=[1], lrs=[1e-4]), str(out)
+    )
+    assert spec.lag_mode == "fixed"
+    os.makedirs(config.workdir)
+    with open(os.path.join(config.workdir, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 0, "eval/pass@1": 0.2}) + "\n")
+    runner.mark_finished(config, {"wall_seconds": 1.0, "end_step": 1})
+    args = ["--grid=stale-phase0", "--methods=grpo", "--lags=1", "--lrs=1e-4", f"--out={out}"]
+    rc, _, err = run_cli(capsys, "compare", *args, "--report_only")
+    assert rc == 0, err
+    with open(out / "results.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert (row["run_dir"], row["lag_mode"], row["status"]) == (
+        "runs/grpo-fixed1-lr0.0001-seed0",
+        "fixed",
+        "finished",
+    )
 
 
 def test_unpaired_seeds_flags_a_seed_whose_runs_had_different_warm_ups():
