@@ -149,6 +149,71 @@ def _pair(p, digits=3) -> str:
     return f"{stats.fmt(p[0], digits)} / {stats.fmt(p[1], digits)}"
 
 
+#: by_staleness's columns: name -> metric key (trailing-window means per realized lag).
+STALENESS_COLUMNS = {
+    "d̄_π": "loss/mismatch",
+    "q": "loss/sat/q",
+    "gate": "loss/sat/gate_rate",
+    "binding": "loss/sat/binding_rate",
+    "clipped": "loss/clip_frac",
+}
+
+
+def by_staleness(
+    records: Sequence[Mapping[str, Any]], *, trailing: float = 0.25
+) -> list[dict[str, Any]]:
+    """A run's diagnostics by the staleness of each step's batch (``lag/mean`` rounded, in
+    versions), over the last ``trailing`` share of its training steps: one row per staleness,
+    ``{"lag", "steps", <column>: mean, ...}`` (NaN where the run does not log a column).
+
+    Under a broadcast lag n a step's batch is 1…n versions old (the broadcast's cycle), so a run's
+    mean mixes fresh and stale steps; this separates them (a fixed lag k has one row, k)."""
+    if not 0 < trailing <= 1:
+        raise ValueError(f"trailing must be in (0, 1], got {trailing}")
+    steps = sorted(
+        {int(r["step"]): r for r in records if "lag/mean" in r and "loss/mismatch" in r}.items()
+    )
+    window = [r for _, r in steps[len(steps) - max(1, math.ceil(trailing * len(steps))) :]]
+    groups: dict[int, list[Mapping[str, Any]]] = {}
+    for r in window if steps else ():
+        groups.setdefault(int(round(float(r["lag/mean"]))), []).append(r)
+    return [
+        {
+            "lag": lag,
+            "steps": len(rows),
+            **{
+                name: (
+                    math.fsum(float(r[key]) for r in rows) / len(rows)
+                    if all(key in r for r in rows)
+                    else math.nan
+                )
+                for name, key in STALENESS_COLUMNS.items()
+            },
+        }
+        for lag, rows in sorted(groups.items())
+    ]
+
+
+def staleness_markdown(run_dirs: Sequence[str]) -> str:
+    """One :func:`by_staleness` table per run directory (binding as a percentage)."""
+    from sat_jax.run.metrics import read_metrics
+
+    lines = []
+    for d in run_dirs:
+        rows = by_staleness(read_metrics(d))
+        lines += [f"`{os.path.basename(os.path.normpath(d))}` (trailing 25% of steps)", ""]
+        table = [
+            [r["lag"], r["steps"]]
+            + [
+                _percents((r[k],)) if k in ("gate", "binding", "clipped") else stats.fmt(r[k], 4)
+                for k in STALENESS_COLUMNS
+            ]
+            for r in rows
+        ]
+        lines += [stats.markdown_table(["staleness", "steps", *STALENESS_COLUMNS], table), ""]
+    return "\n".join(lines)
+
+
 def markdown(
     entries: Sequence[Mapping[str, Any]],
     *,
@@ -241,6 +306,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--eps-high", type=float, default=0.2)
     parser.add_argument("--out", required=True, help="markdown file to write")
+    parser.add_argument(
+        "--by-staleness",
+        nargs="+",
+        default=[],
+        metavar="RUN_DIR",
+        help="also tabulate these runs' d̄_π, q, gate, binding and clip by each step's staleness",
+    )
     args = parser.parse_args(argv)
     baselines, sats = args.baseline.split(","), args.sat.split(",")
     if len(baselines) != len(sats):
@@ -265,6 +337,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv if argv is not None else sys.argv[1:]
     )
     text = markdown(entries, families=families, command=command, eps_high=args.eps_high)
+    if args.by_staleness:
+        text += (
+            "\n## By staleness\n\nEach step's batch is as many versions old as its `lag/mean`; "
+            "the runs' trailing-window diagnostics grouped by it.\n\n"
+            + staleness_markdown(args.by_staleness)
+        )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         f.write(text)

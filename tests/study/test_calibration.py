@@ -1,6 +1,7 @@
 """Phase-0 manipulation checks (sat_jax/study/calibration.py) on hand-written results.csv rows."""
 
 import csv
+import json
 import math
 
 import pytest
@@ -94,6 +95,15 @@ def test_cli_writes_the_map_and_refuses_a_missing_study(tmp_path, capsys):
     assert "No setting passes every check" in out.read_text()
     assert calibration.main([*args, str(tmp_path / "nope")]) == 2
     assert "no results.csv in" in capsys.readouterr().err
+    run = tmp_path / "s" / "runs" / "sat_grpo-broadcast2-lr0.0001-seed0"
+    run.mkdir(parents=True)
+    with open(run / "metrics.jsonl", "w") as f:
+        for step, lag in ((1, 1), (2, 2)):
+            f.write(json.dumps({"step": step, "lag/mean": lag, "loss/mismatch": 0.01}) + "\n")
+    assert calibration.main([*args, str(tmp_path / "s"), "--by-staleness", str(run)]) == 0
+    text = out.read_text()
+    assert "## By staleness" in text and "`sat_grpo-broadcast2-lr0.0001-seed0`" in text
+    assert "| 2 | 1 | 0.0100 | – |" in text
 
 
 def test_read_rows_parses_empty_cells(tmp_path):
@@ -169,3 +179,29 @@ def test_each_family_is_read_from_the_directories_that_hold_its_baseline(tmp_pat
     with pytest.raises(SystemExit):
         calibration.main(["--baseline", "grpo,gspo", "--sat", "sat_grpo", "--out", str(out), "x"])
     assert "name unequal counts" in capsys.readouterr().err
+
+
+def test_by_staleness_groups_the_trailing_steps_by_their_lag():
+    # 8 steps of a broadcast-2 cycle (lag 1, 2, 1, 2, ...); the trailing 50% are steps 5-8.
+    records = [{"step": 0, "eval/pass@1": 0.2}]
+    for step in range(1, 9):
+        lag = 1 + (step + 1) % 2
+        records.append(
+            {
+                "step": step,
+                "lag/mean": float(lag),
+                "loss/mismatch": 0.01 * lag + 0.001 * step,
+                "loss/sat/binding_rate": 0.02 * lag,
+                "loss/clip_frac": 0.03,
+            }
+        )
+    rows = calibration.by_staleness(records, trailing=0.5)
+    assert [(r["lag"], r["steps"]) for r in rows] == [(1, 2), (2, 2)]
+    one, two = rows
+    assert one["d̄_π"] == pytest.approx(0.01 + 0.001 * (5 + 7) / 2)
+    assert two["d̄_π"] == pytest.approx(0.02 + 0.001 * (6 + 8) / 2)
+    assert (one["binding"], two["binding"]) == (pytest.approx(0.02), pytest.approx(0.04))
+    assert math.isnan(one["q"]) and one["clipped"] == pytest.approx(0.03)
+    assert calibration.by_staleness([]) == []
+    with pytest.raises(ValueError, match="trailing"):
+        calibration.by_staleness(records, trailing=0)
