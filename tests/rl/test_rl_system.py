@@ -130,8 +130,9 @@ def test_sampled_lag_float16_engine_and_router_noise_run_end_to_end(tmp_path, ca
 
 def test_decomposed_mismatch_adds_up_in_the_learner(tmp_path, cache_dir):
     """log.decompose_mismatch with fixed lag 2: steps 0-2 train on version-0 rollouts, so at
-    step 0 (θ = θ_0) the staleness part is exactly 0 and the engine part is all of log r; by
-    step 2 the policy has moved and staleness is positive."""
+    step 0 (θ = θ_0) the staleness part is 0 up to float32 rounding (the trainer's forward and
+    the behaviour version's are two compiled programs, fused differently) and the engine part is
+    all of log r; by step 2 the policy has moved and staleness is well above that rounding."""
     config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
     config.lag_mode, config.lag, config.num_steps = "fixed", 2, 3
     config.log.decompose_mismatch = True
@@ -140,7 +141,7 @@ def test_decomposed_mismatch_adds_up_in_the_learner(tmp_path, cache_dir):
     config.model.router_aux_loss_coef, config.optim.learning_rate = 1.0, 3e-3
     hist = learner.train(config, quiet=True)["history"]
     first, last = hist[0], hist[-1]
-    assert first["mismatch/staleness"] == first["mismatch/staleness_max"] == 0.0
+    assert 0.0 <= first["mismatch/staleness"] <= first["mismatch/staleness_max"] < 1e-5
     np.testing.assert_allclose(first["mismatch/engine"], first["loss/mismatch"], rtol=1e-5)
     for stat in ("p50", "p90", "p99", "max", "seq_sum_max", "ess"):
         np.testing.assert_allclose(
@@ -150,7 +151,7 @@ def test_decomposed_mismatch_adds_up_in_the_learner(tmp_path, cache_dir):
             atol=1e-7,
             err_msg=stat,
         )
-    assert last["mismatch/staleness"] > 0
+    assert last["mismatch/staleness"] > 100 * first["mismatch/staleness_max"]
 
 
 def test_separate_rollout_device(tmp_path, cache_dir):
