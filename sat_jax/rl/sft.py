@@ -87,6 +87,19 @@ def _cache_key(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def params_digest(params) -> float:
+    """A digest of the parameters' bytes (shapes, dtypes and values, in leaf order) as an exact
+    float: the first 52 bits of their SHA-256. Runs that log the same ``sft/digest`` started from
+    the same warm-up; the warm-up's float rounding differs across CPUs, so the same config on
+    another machine trains a different base policy and logs another digest."""
+    h = hashlib.sha256()
+    for x in jax.tree_util.tree_leaves(params):
+        a = np.ascontiguousarray(np.asarray(x))
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(a.tobytes())
+    return float(int(h.hexdigest()[:13], 16))
+
+
 def _save(path: str, params) -> None:
     leaves = jax.tree_util.tree_leaves(params)
     tmp = f"{path}.{os.getpid()}.tmp.npz"  # processes of one host may write the same entry
@@ -126,7 +139,9 @@ def warmup(
     log=None,
 ):
     """Cross-entropy on the task's supervised pairs, ``corrupt_share`` of them with a wrong
-    answer (`corrupt_pairs`); returns (params, info dict).
+    answer (`corrupt_pairs`); returns (params, info dict). The info holds ``sft/cached``,
+    ``sft/digest`` (:func:`params_digest`, trained or cached) and, when trained,
+    ``sft/final_loss``.
 
     ``cache_spec`` must describe everything that determines the result (model config, task,
     these settings); the cache file is keyed by its hash. A corrupt cache entry is rebuilt.
@@ -150,7 +165,8 @@ def warmup(
         path = os.path.join(cache_dir, f"sft-{_cache_key(spec)}.npz")
         if os.path.exists(path):
             try:
-                return _load(path, params), {"sft/cached": 1.0}
+                loaded = _load(path, params)
+                return loaded, {"sft/cached": 1.0, "sft/digest": params_digest(loaded)}
             except Exception as e:  # a corrupt or stale cache is rebuilt, not trusted
                 if log:
                     log(f"ignoring unreadable warm-up cache {path}: {e}")
@@ -183,7 +199,7 @@ def warmup(
             tokenizer, chunk, prompt_width, response_width
         )
         params, opt_state, loss = step(params, opt_state, tokens, input_mask, response_mask)
-    info = {"sft/final_loss": float(loss), "sft/cached": 0.0}
+    info = {"sft/final_loss": float(loss), "sft/cached": 0.0, "sft/digest": params_digest(params)}
     if not all(bool(jnp.isfinite(x).all()) for x in jax.tree_util.tree_leaves(params)):
         raise ValueError(
             f"the supervised warm-up diverged (final loss {float(loss)}): its parameters hold "

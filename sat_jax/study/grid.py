@@ -113,6 +113,10 @@ class Grid:
     #: The grid's own lag mode (a protocol fixes it); None: the command's ``--lag_mode``. An
     #: explicit ``--lag_mode`` still wins (its runs are named by their mode).
     lag_mode: str | None = None
+    #: Run every cell of seed 0, then of seed 1, ... (:func:`expand`): the grid's runs then
+    #: share a warm-up per seed even when they span machines, whose warm-ups differ in float
+    #: rounding (a session boundary splits at most one seed, which ``results.md`` flags).
+    seed_major: bool = False
 
 
 GRIDS: dict[str, Grid] = {
@@ -236,6 +240,7 @@ def stale_grid(
         method_loss=tuple((a, eps) for a in arms if a in METHOD_LOSS),
         settings=tuple(settings),
         lag_mode=lag_mode,
+        seed_major=True,
     )
 
 
@@ -408,7 +413,8 @@ def expand(
     grid: Grid, out_dir: str, *, lag_mode: str | None = None, overrides: Sequence[str] = ()
 ) -> list[tuple[RunSpec, object]]:
     """(spec, config) of every run of ``grid``: methods × lags × learning rates × seeds in that
-    order (seed innermost, so one method's runs, which share a compiled step, are adjacent).
+    order (seed innermost, so one method's runs, which share a compiled step, are adjacent), or
+    with ``grid.seed_major`` seed outermost and that order within each seed.
     ``lag_mode``: every run's (None: the grid's own, else broadcast).
 
     ``overrides`` (``KEY=VALUE``, :func:`apply_override`) apply to every run before the grid's own
@@ -445,6 +451,8 @@ def expand(
                 c.resume = True
                 c.log.progress = False
                 out.append((spec, c))
+    if grid.seed_major:
+        out.sort(key=lambda run: run[0].seed)  # stable: the order above within a seed
     owners: dict[str, RunSpec] = {}
     for spec, c in out:
         first = owners.setdefault(c.workdir, spec)

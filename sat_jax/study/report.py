@@ -41,6 +41,7 @@ CSV_COLUMNS = (
     "lag_t25",
     "reward_t25",
     "warmup_loss",
+    "warmup_digest",
     "wall_s",
     "run_dir",
 )
@@ -185,10 +186,18 @@ def _pairing_line(rows) -> str:
     if bad:
         return (
             f"- **pairing broken**: the runs of seed(s) {', '.join(map(str, bad))} did not start "
-            "from the same warm-up (different final warm-up losses); their paired differences "
-            "compare different base policies"
+            "from the same warm-up (different warm-up digests or final losses); their paired "
+            "differences compare different base policies. The warm-up's float rounding differs "
+            "across CPUs: rerun all of such a seed's runs on one machine"
         )
-    return "- pairing: every seed's runs started from the same warm-up (equal final warm-up loss)"
+    unknown = stats.unverified_seeds(rows)
+    if unknown:
+        return (
+            f"- pairing unverified for seed(s) {', '.join(map(str, unknown))}: some of their "
+            "runs logged no warm-up digest (`sft/digest`), so a shared base policy cannot be "
+            "checked"
+        )
+    return "- pairing: every seed's runs started from the same warm-up (equal warm-up digests)"
 
 
 def _sat_partner(grid: Grid) -> str | None:

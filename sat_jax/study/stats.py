@@ -173,8 +173,10 @@ def summarize_run(
     * ``steps``: training steps logged; ``collapsed``: ``rule(base, best, final)``.
     * ``tail20``: :func:`tail_mean` (the last 20% of evaluations); ``collapse_step``: the step
       :data:`SUSTAINED_RULE` finds the run collapsed at, or None.
-    * ``warmup_loss``: the supervised warm-up's final loss (``sft/final_loss``; NaN without a
-      warm-up): equal across the runs of a seed when they start from the same base policy.
+    * ``warmup_loss``: the supervised warm-up's final loss (``sft/final_loss``; NaN where the
+      warm-up was read from the cache or there is none); ``warmup_digest``: the warm-up's
+      parameter digest (``sft/digest``, logged whether trained or cached; NaN where not logged).
+      Runs of one seed started from the same base policy when their digests are equal.
     """
     if not 0 < trailing <= 1:
         raise ValueError(f"trailing must be in (0, 1], got {trailing}")
@@ -209,21 +211,36 @@ def summarize_run(
     out["collapsed"] = rule(base, best, final)
     out["tail20"] = tail_mean(records, 0.2)
     out["collapse_step"] = SUSTAINED_RULE.step(records)
-    out["warmup_loss"] = float(
-        next((r["sft/final_loss"] for r in records if "sft/final_loss" in r), math.nan)
-    )
+    for name, key in (("warmup_loss", "sft/final_loss"), ("warmup_digest", "sft/digest")):
+        out[name] = float(next((r[key] for r in records if key in r), math.nan))
     return out
+
+
+def _finite(v) -> float | None:
+    if v in (None, ""):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else None
 
 
 def unpaired_seeds(rows: Sequence[Mapping[str, Any]]) -> list[int]:
     """Seeds whose runs did not all start from the same warm-up: more than one distinct
-    ``warmup_loss`` among them (runs without one are not counted)."""
-    losses: dict[int, set[float]] = {}
+    ``warmup_digest`` among them, or, among runs without a digest, more than one distinct
+    ``warmup_loss`` (runs with neither are not counted: :func:`unverified_seeds`)."""
+    seen: dict[tuple[int, str], set[float]] = {}
     for r in rows:
-        v = r.get("warmup_loss", math.nan)
-        if v not in (None, "") and math.isfinite(float(v)):
-            losses.setdefault(int(r["seed"]), set()).add(float(v))
-    return sorted(seed for seed, vs in losses.items() if len(vs) > 1)
+        for name in ("warmup_digest", "warmup_loss"):
+            v = _finite(r.get(name))
+            if v is not None:
+                seen.setdefault((int(r["seed"]), name), set()).add(v)
+                break
+    return sorted({seed for (seed, _), vs in seen.items() if len(vs) > 1})
+
+
+def unverified_seeds(rows: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Seeds with a run that logged no warm-up digest (runs before ``sft/digest`` existed), so
+    that their pairing on one base policy cannot be checked."""
+    return sorted({int(r["seed"]) for r in rows if _finite(r.get("warmup_digest")) is None})
 
 
 # ---------------------------------------------------------------------------------------------

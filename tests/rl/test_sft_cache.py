@@ -3,6 +3,7 @@ first's parameters; a change of the code digest (model source, JAX version) or o
 share trains again; a corrupt entry is rebuilt."""
 
 import glob
+import json
 
 import jax
 import numpy as np
@@ -54,9 +55,11 @@ def test_cache_reuses_only_the_same_code(tmp_path, monkeypatch):
 
     trained, info = _warmup(tmp_path, params, graphdef, tokenizer)
     assert info["sft/cached"] == 0.0
+    digest = info["sft/digest"]
     again, info = _warmup(tmp_path, params, graphdef, tokenizer)
     assert info["sft/cached"] == 1.0
     jax.tree.map(np.testing.assert_array_equal, again, trained)
+    assert info["sft/digest"] == digest == sft.params_digest(trained)
 
     monkeypatch.setattr(sft, "code_digest", lambda: "another-program")
     _, info = _warmup(tmp_path, params, graphdef, tokenizer)
@@ -82,5 +85,23 @@ def test_corrupt_share_is_in_the_key(tmp_path):
     assert any(jax.tree.leaves(differs))
     _, info = _warmup(tmp_path, params, graphdef, tokenizer, corrupt_share=0.5)
     assert info["sft/cached"] == 1.0
+    assert info["sft/digest"] == sft.params_digest(corrupted) != sft.params_digest(clean)
     with pytest.raises(ValueError, match=r"corrupt_share must be in \[0, 1\], got -0.5"):
         _warmup(tmp_path, params, graphdef, tokenizer, corrupt_share=-0.5)
+
+
+def test_params_digest_is_an_exact_fingerprint():
+    """One changed bit, dtype or shape changes the digest; a float JSON keeps it exactly."""
+    a = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
+    d = sft.params_digest(a)
+    assert d == float(int(d)) and 0 <= d < 2**52
+    assert json.loads(json.dumps(d)) == d
+    flipped = np.arange(6, dtype=np.float32).reshape(2, 3)
+    flipped.view(np.uint32)[1, 2] ^= 1  # the last bit of one value
+    for other in (
+        {"w": flipped, "b": a["b"]},
+        {"w": a["w"].reshape(3, 2), "b": a["b"]},
+        {"w": a["w"].astype(np.float64), "b": a["b"]},
+    ):
+        assert sft.params_digest(other) != d
+    assert sft.params_digest({"w": a["w"].copy(), "b": a["b"].copy()}) == d

@@ -59,13 +59,14 @@ def test_a_preset_grid_starts_every_run_from_its_preset(tmp_path):
 
 
 def test_stale_grid_expands_to_exactly_its_declared_runs(tmp_path):
-    # The default: phase 1's minimum, 3 arms × lags 1, 8 × 8 seeds.
+    # The default: phase 1's minimum, 3 arms × lags 1, 8 × 8 seeds, seed by seed (all of a
+    # seed's runs before the next seed's, so a seed's runs share one machine's warm-up).
     default = study_grid.expand(study_grid.resolve("stale"), str(tmp_path))
     assert [(s.method, s.lag, s.seed) for s, _ in default] == [
         (m, lag, seed)
+        for seed in range(8)
         for m in ("grpo", "sat_grpo", "grpo_tight")
         for lag in (1, 8)
-        for seed in range(8)
     ]
     # Every parameter is the protocol's to fix.
     g = study_grid.stale_grid(
@@ -80,9 +81,9 @@ def test_stale_grid_expands_to_exactly_its_declared_runs(tmp_path):
     runs = study_grid.expand(g, str(tmp_path), lag_mode="fixed", overrides=["num_steps=200"])
     want = [
         (m, lag, seed)
+        for seed in range(3)
         for m in ("gspo_r3", "sat_gspo_r3", "gspo_tight_r3", "tis_pg_r3")
         for lag in (1, 16)
-        for seed in range(3)
     ]
     assert [(s.method, s.lag, s.seed) for s, _ in runs] == want
     assert len({s.name for s, _ in runs}) == len(want) == 24
@@ -776,4 +777,23 @@ def test_unpaired_seeds_flags_a_seed_whose_runs_had_different_warm_ups():
     assert r["warmup_loss"] == 0.25
     assert math.isnan(stats.summarize_run([{"step": 0, "eval/pass@1": 0.1}])["warmup_loss"])
     assert "pairing broken**: the runs of seed(s) 1 " in report._pairing_line(rows)
-    assert report._pairing_line(rows[:2]).startswith("- pairing: every seed's runs")
+    # Without digests (runs from before sft/digest) a shared warm-up cannot be checked.
+    assert stats.unverified_seeds(rows) == [0, 1, 2]
+    assert report._pairing_line(rows[:2]).startswith("- pairing unverified for seed(s) 0:")
+
+
+def test_warm_up_digests_decide_the_pairing():
+    """A cached warm-up logs its digest but no final loss: the digest is what pairs runs."""
+    trained = [{"step": 0, "sft/final_loss": 0.7, "sft/digest": 123.0, "sft/cached": 0.0}]
+    cached = [{"step": 0, "sft/digest": 123.0, "sft/cached": 1.0}]
+    other_cpu = [{"step": 0, "sft/final_loss": 0.7, "sft/digest": 456.0, "sft/cached": 0.0}]
+    r = [stats.summarize_run(x) for x in (trained, cached, other_cpu)]
+    assert [x["warmup_digest"] for x in r] == [123.0, 123.0, 456.0]
+    assert math.isnan(r[1]["warmup_loss"])
+    rows = [dict(r[0], seed=0), dict(r[1], seed=0), dict(r[0], seed=1), dict(r[2], seed=1)]
+    # Seed 1's warm-ups end at the same loss but are different parameters.
+    assert stats.unpaired_seeds(rows) == [1] and stats.unverified_seeds(rows) == []
+    assert "seed(s) 1 did not start from the same warm-up" in report._pairing_line(rows)
+    assert report._pairing_line(rows[:2]) == (
+        "- pairing: every seed's runs started from the same warm-up (equal warm-up digests)"
+    )
