@@ -38,6 +38,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from sat_jax.study import stats
 
 HARM_MARGIN = 0.02
@@ -73,9 +75,22 @@ def read_rows(study_dir: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _one(rows, method: str, lag: int, lr: float) -> Mapping[str, Any] | None:
+def _cell(rows, method: str, lag: int, lr: float) -> dict[str, Any] | None:
+    """A (method, lag, lr) cell over its seeds: each number the mean over the seeds (NaN where
+    a run lacks it), ``seeds`` their count, ``collapses`` how many collapsed, and
+    ``collapse_step`` the step of a single seed's collapse (None with several seeds)."""
     found = [r for r in rows if r["method"] == method and r["lag"] == lag and r["lr"] == lr]
-    return found[0] if found else None
+    if not found:
+        return None
+
+    def number(v) -> float:
+        return math.nan if v in (None, "") else float(v)
+
+    out: dict[str, Any] = {k: float(np.mean([number(r.get(k)) for r in found])) for k in _FLOATS}
+    out["seeds"] = len(found)
+    out["collapses"] = sum(r.get("collapse_step") not in (None, "") for r in found)
+    out["collapse_step"] = (found[0].get("collapse_step") or None) if len(found) == 1 else None
+    return out
 
 
 def checks(
@@ -98,10 +113,12 @@ def checks(
 
 def _entry(setting, rows, baseline, sat, eps_high, lr, lo, hi) -> dict[str, Any]:
     """The checks of one (learning rate, low lag, high lag) of a setting."""
-    b_lo, b_hi = _one(rows, baseline, lo, lr), _one(rows, baseline, hi, lr)
-    s_lo, s_hi = _one(rows, sat, lo, lr), _one(rows, sat, hi, lr)
+    b_lo, b_hi = _cell(rows, baseline, lo, lr), _cell(rows, baseline, hi, lr)
+    s_lo, s_hi = _cell(rows, sat, lo, lr), _cell(rows, sat, hi, lr)
     drop = b_lo["tail20"] - b_hi["tail20"]
-    collapsed = b_hi["collapse_step"] is not None and b_lo["collapse_step"] is None
+    # One seed: it collapses at the high lag and not at the low one. Several: more seeds
+    # collapse at the high lag than at the low one, and at least half of them.
+    collapsed = b_hi["collapses"] > b_lo["collapses"] and 2 * b_hi["collapses"] >= b_hi["seeds"]
     mismatch = b_hi["mismatch_t25"]
     q = s_hi["q_t25"] if s_hi else math.nan
     binding = s_hi["binding_t25"] if s_hi else math.nan
@@ -112,6 +129,9 @@ def _entry(setting, rows, baseline, sat, eps_high, lr, lo, hi) -> dict[str, Any]
         "lags": (lo, hi),
         "base_tail20": (b_lo["tail20"], b_hi["tail20"]),
         "base_collapse": (b_lo["collapse_step"], b_hi["collapse_step"]),
+        "base_collapses": (b_lo["collapses"], b_hi["collapses"]),
+        # Seeds behind the numbers: the fewest of the four cells.
+        "seeds": min(c["seeds"] for c in (b_lo, b_hi, s_lo, s_hi) if c is not None),
         "mismatch": (b_lo["mismatch_t25"], mismatch),
         "q": (s_lo["q_t25"] if s_lo else math.nan, q),
         "binding": (s_lo["binding_t25"] if s_lo else math.nan, binding),
@@ -143,6 +163,13 @@ def _mark(v) -> str:
 
 def _percents(p) -> str:
     return " / ".join("–" if not math.isfinite(v) else f"{v:.2%}" for v in p)
+
+
+def _collapses(e) -> str:
+    """Collapse steps (one seed) or collapsed seeds of the count (several), low / high lag."""
+    if e["seeds"] == 1:
+        return " / ".join("–" if s is None else str(s) for s in e["base_collapse"])
+    return " / ".join(f"{k}/{e['seeds']}" for k in e["base_collapses"])
 
 
 def _pair(p, digits=3) -> str:
@@ -228,10 +255,12 @@ def markdown(
     lines = [
         "# Staleness study, phase 0: the calibration map",
         "",
-        "Single-seed runs of a baseline and SAT on it ("
+        "Runs of a baseline and SAT on it ("
         + ", ".join(f"`{b}` and `{s}`" for b, s in families)
         + ") at a low and a high lag, per setting (a study directory: its knobs) and learning "
-        "rate. The checks are "
+        "rate, on one seed or, where the seeds column says more, the means over that many "
+        "(the harm check then reads the mean drop, and a collapse counts when more seeds "
+        "collapse at the high lag than at the low one and at least half do). The checks are "
         "`sat_jax/study/calibration.py`'s: harm (baseline tail20 lower at the high lag by "
         f"≥ {HARM_MARGIN}, or a sustained collapse), d̄_π at the high lag in "
         f"[{MISMATCH_RANGE[0]}, {MISMATCH_RANGE[1]}], q < log(1 + {eps_high}) = "
@@ -248,6 +277,7 @@ def markdown(
         "baseline / SAT",
         "lr",
         "lags",
+        "seeds",
         "baseline tail20 lo / hi",
         "collapse step lo / hi",
         "d̄_π lo / hi",
@@ -266,8 +296,9 @@ def markdown(
             " / ".join(f"`{a}`" for a in e["arms"]),
             f"{e['lr']:g}",
             f"{e['lags'][0]} / {e['lags'][1]}",
+            str(e["seeds"]),
             _pair(e["base_tail20"]),
-            " / ".join("–" if s is None else str(s) for s in e["base_collapse"]),
+            _collapses(e),
             _pair(e["mismatch"], 4),
             _pair(e["q"]),
             _percents(e["binding"]),

@@ -21,6 +21,8 @@ def _write(d, rows):
 
 def _row(method, lag, lr, tail20, mismatch, q="", binding="", collapse="", **extra):
     extra.setdefault("status", "finished")
+    extra.setdefault("seed", 0)
+    extra.setdefault("lag_mode", "broadcast")
     return dict(
         method=method,
         lag=lag,
@@ -30,8 +32,6 @@ def _row(method, lag, lr, tail20, mismatch, q="", binding="", collapse="", **ext
         q_t25=q,
         binding_t25=binding,
         collapse_step=collapse,
-        lag_mode="broadcast",
-        seed=0,
         **extra,
     )
 
@@ -205,3 +205,55 @@ def test_by_staleness_groups_the_trailing_steps_by_their_lag():
     assert calibration.by_staleness([]) == []
     with pytest.raises(ValueError, match="trailing"):
         calibration.by_staleness(records, trailing=0)
+
+
+def test_several_seeds_are_averaged(tmp_path):
+    """A setting run on several seeds is checked on the means over them; a collapse counts when
+    more seeds collapse at the high lag than at the low one and at least half do."""
+
+    def seeds(method, lag, values, **kw):
+        return [
+            _row(method, lag, 4e-5, *v, seed=s, lag_mode="fixed", **kw)
+            for s, v in enumerate(values)
+        ]
+
+    rows = [
+        *seeds("gspo", 1, [(0.70, 0.002), (0.74, 0.002), (0.72, 0.002)]),
+        *seeds("gspo", 8, [(0.60, 0.030), (0.75, 0.040), (0.66, 0.035)]),
+        *seeds(
+            "sat_gspo",
+            8,
+            [(0.7, 0.02, 0.03, 0.020), (0.7, 0.02, 0.03, 0.035), (0.7, 0.02, 0.03, 0.040)],
+        ),
+    ]
+    _write(tmp_path / "fixed", rows)
+    (e,) = calibration.checks(
+        "fixed", calibration.read_rows(tmp_path / "fixed"), baseline="gspo", sat="sat_gspo"
+    )
+    assert e["seeds"] == 3 and e["lags"] == (1, 8)
+    assert e["base_tail20"] == pytest.approx((0.72, 0.67))  # a mean drop of 0.05: harm
+    assert e["mismatch"][1] == pytest.approx(0.035) and e["binding"][1] == pytest.approx(0.095 / 3)
+    # One seed of three under 3% (seed 0, 2.0%) does not fail the mean (3.17%).
+    assert (e["harm"], e["in_range"], e["can_act"], e["binds"], e["passes"]) == (True,) * 5
+    md = calibration.markdown([e], families=[("gspo", "sat_gspo")], command="c", eps_high=0.2)
+    assert "| fixed | `gspo` / `sat_gspo` | 4e-05 | 1 / 8 | 3 | 0.720 / 0.670 | 0/3 / 0/3 |" in md
+
+    # No drop, but two of three seeds collapse at the high lag and none at lag 1: harm.
+    flat = [dict(r) for r in rows]
+    for r in flat:
+        if r["method"] == "gspo":
+            r["tail20"] = 0.7
+    for r in flat[3:5]:
+        r["collapse_step"] = 150
+    _write(tmp_path / "collapse", flat)
+    (e,) = calibration.checks(
+        "collapse", calibration.read_rows(tmp_path / "collapse"), baseline="gspo", sat="sat_gspo"
+    )
+    assert e["base_collapses"] == (0, 2) and e["harm"] is True
+    # One of three is not enough.
+    flat[4]["collapse_step"] = ""
+    _write(tmp_path / "one", flat)
+    (e,) = calibration.checks(
+        "one", calibration.read_rows(tmp_path / "one"), baseline="gspo", sat="sat_gspo"
+    )
+    assert e["base_collapses"] == (0, 1) and e["harm"] is False
