@@ -117,6 +117,13 @@ class Grid:
     #: share a warm-up per seed even when they span machines, whose warm-ups differ in float
     #: rounding (a session boundary splits at most one seed, which ``results.md`` flags).
     seed_major: bool = False
+    #: The grid's seeds are first_seed, first_seed + 1, ...: a study re-run on seeds it did not
+    #: use, or phase 1 on seeds its calibration did not choose a setting on.
+    first_seed: int = 0
+
+    @property
+    def seed_range(self) -> range:
+        return range(self.first_seed, self.first_seed + self.seeds)
 
 
 GRIDS: dict[str, Grid] = {
@@ -185,6 +192,7 @@ def stale_grid(
     preset: str = "stale",
     settings: Sequence[str] = (),
     lag_mode: str | None = None,
+    first_seed: int = 0,
 ) -> Grid:
     """The staleness study's grid: ``arms`` × ``lags`` × ``seeds`` on the ``preset`` base run,
     paired on seed.
@@ -198,8 +206,8 @@ def stale_grid(
 
     Raises:
       ValueError: an unknown arm or preset, a baseline or primary arm not among the arms,
-        seeds < 1, no lags, ``tight_eps`` outside (0, 1), a setting that names a field the grid
-        sets itself, an unknown lag mode.
+        seeds < 1, a negative ``first_seed``, no lags, ``tight_eps`` outside (0, 1), a setting
+        that names a field the grid sets itself, an unknown lag mode.
     """
     arms = tuple(arms)
     unknown = [a for a in arms if a not in METHODS]
@@ -217,6 +225,8 @@ def stale_grid(
         )
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"stale grid: seeds must be an int >= 1, got {seeds!r}")
+    if isinstance(first_seed, bool) or not isinstance(first_seed, int) or first_seed < 0:
+        raise ValueError(f"stale grid: first_seed must be an int >= 0, got {first_seed!r}")
     if not lags or any(int(v) < 0 for v in lags):
         raise ValueError(f"stale grid: lags must be non-negative integers, got {list(lags)}")
     if not 0 < float(tight_eps) < 1:
@@ -241,6 +251,7 @@ def stale_grid(
         settings=tuple(settings),
         lag_mode=lag_mode,
         seed_major=True,
+        first_seed=first_seed,
     )
 
 
@@ -439,7 +450,7 @@ def expand(
     method_loss = {m: dict(fields) for m, fields in grid.method_loss}
     for method, lag in itertools.product(grid.methods, grid.lags):
         for lr_choice in grid.lrs or (None,):
-            for seed in range(grid.seeds):
+            for seed in grid.seed_range:
                 c = method_config(method, grid.preset, method_loss.get(method))
                 for item in (*grid.settings, *overrides):
                     apply_override(c, item)

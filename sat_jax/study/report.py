@@ -299,8 +299,8 @@ def _markdown(
             if grid.lrs
             else "the config's (" + ", ".join(sorted({f"{r['lr']:g}" for r in rows})) + ")"
         ),
-        f"- seeds: 0 … {grid.seeds - 1} ({grid.seeds}); baseline of the paired differences: "
-        f"{_label(grid.baseline)}",
+        f"- seeds: {grid.first_seed} … {grid.seed_range[-1]} ({grid.seeds}); baseline of the "
+        f"paired differences: {_label(grid.baseline)}",
         f"- config overrides (every run): {', '.join(f'`{o}`' for o in overrides) or 'none'}",
         _pairing_line(rows),
         "",

@@ -89,6 +89,15 @@ def test_stale_grid_expands_to_exactly_its_declared_runs(tmp_path):
     assert len({s.name for s, _ in runs}) == len(want) == 24
     assert g.primary == ("sat_gspo_r3", "gspo_r3") and g.preset == "stale"
     assert study_grid.GRIDS["stale"].primary == ("sat_grpo", "grpo")
+    # Seeds from first_seed on (a re-run on unused seeds), still seed by seed.
+    later = study_grid.expand(study_grid.stale_grid(seeds=2, first_seed=8), str(tmp_path))
+    assert [(s.method, s.lag, s.seed) for s, _ in later] == [
+        (m, lag, seed)
+        for seed in (8, 9)
+        for m in ("grpo", "sat_grpo", "grpo_tight")
+        for lag in (1, 8)
+    ]
+    assert all(c.seed == s.seed and c.workdir.endswith(s.name) for s, c in later)
     for spec, c in runs:
         objective, r3, _ = study_grid.METHODS[spec.method]
         assert (c.loss.objective, c.loss.r3, c.lag, c.seed, c.lag_mode) == (
@@ -129,6 +138,7 @@ def test_a_grid_fixes_its_own_lag_mode_and_an_explicit_one_wins(tmp_path):
         (dict(primary=("sat_gspo", "grpo")), "primary .* must be two of the arms"),
         (dict(preset="nope"), "unknown preset 'nope'"),
         (dict(seeds=0), "seeds must be an int >= 1"),
+        (dict(first_seed=-1), "first_seed must be an int >= 0, got -1"),
         (dict(lags=()), "lags must be non-negative"),
         (dict(tight_eps=1.5), "tight_eps must lie in"),
         (dict(settings=("lag=3",)), "names a field the grid sets"),
