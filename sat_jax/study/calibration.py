@@ -2,10 +2,11 @@
 counted run, from the mismatch a setting produces and the harm staleness does to the baseline,
 never from how SAT fares against it.
 
-A *setting* is one study directory of single-seed ``sat-jax compare --grid`` runs (its knobs are
+A *setting* is one study directory of ``sat-jax compare --grid`` runs (its knobs are
 the ``--set`` overrides it was run with) at one learning rate, holding a baseline and the SAT
 method on that baseline (a *family*: GRPO and SAT-GRPO, GSPO and SAT-GSPO, ...) at a low and a
-high lag. It passes when all four checks hold:
+high lag. Where a cell (method, lag, learning rate) holds several seeds, its numbers are their
+means (``_cell``). It passes when all four checks hold:
 
 1. **harm**: the baseline at the high lag ends lower than at the low lag (mean held-out pass@1 over
    the last 20% of evaluations, ``tail20``, lower by at least :data:`HARM_MARGIN`), or collapses
