@@ -60,6 +60,11 @@ _FLOATS = (
 )
 
 
+def _number(v) -> float:
+    """A results.csv cell as a float: NaN where empty."""
+    return math.nan if v in (None, "") else float(v)
+
+
 def read_rows(study_dir: str) -> list[dict[str, Any]]:
     """The finished runs' rows of ``study_dir/results.csv`` with numbers parsed (empty cells:
     NaN / None); a run still going (``status`` partial) is not read."""
@@ -70,7 +75,7 @@ def read_rows(study_dir: str) -> list[dict[str, Any]]:
         rows = [r for r in csv.DictReader(f) if r.get("status", "finished") in ("", "finished")]
     for r in rows:
         for k in _FLOATS:
-            r[k] = float(r[k]) if r.get(k) not in (None, "") else math.nan
+            r[k] = _number(r.get(k))
         r["lag"] = int(r["lag"])
         r["collapse_step"] = int(r["collapse_step"]) if r.get("collapse_step") else None
     return rows
@@ -83,11 +88,7 @@ def _cell(rows, method: str, lag: int, lr: float) -> dict[str, Any] | None:
     found = [r for r in rows if r["method"] == method and r["lag"] == lag and r["lr"] == lr]
     if not found:
         return None
-
-    def number(v) -> float:
-        return math.nan if v in (None, "") else float(v)
-
-    out: dict[str, Any] = {k: float(np.mean([number(r.get(k)) for r in found])) for k in _FLOATS}
+    out: dict[str, Any] = {k: float(np.mean([_number(r.get(k)) for r in found])) for k in _FLOATS}
     out["seeds"] = len(found)
     out["collapses"] = sum(r.get("collapse_step") not in (None, "") for r in found)
     out["collapse_step"] = (found[0].get("collapse_step") or None) if len(found) == 1 else None
