@@ -179,6 +179,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.steps = 400
     c.sft.batch_size = 64
     c.sft.learning_rate = 3e-3
+    c.sft.schedule = "constant"  # or "cosine": learning_rate decayed to 0 over sft.steps
     # Share of warm-up traces whose final answer is redrawn wrong (exactly round(share * pairs),
     # chosen by the seed): a weak base policy with reward to gain, at a stated corruption.
     c.sft.corrupt_share = 0.0

@@ -29,6 +29,7 @@ from sat_jax import advantages, losses
 from sat_jax.losses import registry
 from sat_jax.rl import lag as lag_lib
 from sat_jax.rl import trainer
+from sat_jax.rl.sft import SCHEDULES as SFT_SCHEDULES
 from sat_jax.rl.snapshots import PLACEMENTS
 
 #: The rollout engine's compute dtypes (``rollout.dtype``).
@@ -458,6 +459,8 @@ def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
         )
     if not 0.0 <= s.corrupt_share <= 1.0:
         _fail(f"sft.corrupt_share must be in [0, 1], got {s.corrupt_share}")
+    if s.schedule not in SFT_SCHEDULES:
+        _fail(f"sft.schedule must be one of {SFT_SCHEDULES}, got {s.schedule!r}")
     if config.eval.every < 0 or config.checkpoint.every < 0:
         _fail("eval.every and checkpoint.every must be >= 0 (0 disables)")
     if config.eval.num_prompts < 1:

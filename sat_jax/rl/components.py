@@ -165,6 +165,7 @@ def build(config, log=lambda msg: None) -> Components:
             response_width=response_width,
             cache_dir=config.sft.cache_dir,
             corrupt_share=config.sft.corrupt_share,
+            schedule=config.sft.schedule,
             cache_spec={
                 "model": config.model.to_dict(),
                 "data": config.data.to_dict(),

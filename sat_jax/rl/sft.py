@@ -26,6 +26,9 @@ import optax
 
 from sat_jax.models.logprobs import token_logprobs
 
+#: Learning-rate schedules of the warm-up (see :func:`warmup`).
+SCHEDULES = ("constant", "cosine")
+
 
 def layout_pairs(tokenizer, pairs, prompt_width: int, response_width: int):
     """Tokens [B, P + N] in the sampler's layout: BOS+prompt left-padded to P, answer+EOS after.
@@ -136,24 +139,29 @@ def warmup(
     cache_dir: str | None,
     cache_spec: dict[str, Any],
     corrupt_share: float = 0.0,
+    schedule: str = "constant",
     log=None,
 ):
     """Cross-entropy on the task's supervised pairs, ``corrupt_share`` of them with a wrong
     answer (`corrupt_pairs`); returns (params, info dict). The info holds ``sft/cached``,
     ``sft/digest`` (:func:`params_digest`, trained or cached) and, when trained,
-    ``sft/final_loss``.
+    ``sft/final_loss``. ``schedule`` is ``"constant"`` (Adam at ``learning_rate`` throughout) or
+    ``"cosine"`` (``learning_rate`` decayed to 0 over ``steps``).
 
     ``cache_spec`` must describe everything that determines the result (model config, task,
     these settings); the cache file is keyed by its hash. A corrupt cache entry is rebuilt.
     """
     if not 0.0 <= corrupt_share <= 1.0:
         raise ValueError(f"corrupt_share must be in [0, 1], got {corrupt_share}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     spec = dict(
         cache_spec,
         corrupt_share=float(corrupt_share),
         steps=steps,
         batch_size=batch_size,
         lr=learning_rate,
+        schedule=schedule,
         seed=seed,
         widths=(prompt_width, response_width),
         code=code_digest(),
@@ -171,7 +179,10 @@ def warmup(
                 if log:
                     log(f"ignoring unreadable warm-up cache {path}: {e}")
 
-    optimizer = optax.adam(learning_rate)
+    rate = learning_rate
+    if schedule == "cosine":
+        rate = optax.cosine_decay_schedule(learning_rate, max(steps, 1))
+    optimizer = optax.adam(rate)
     opt_state = optimizer.init(params)
 
     @jax.jit

@@ -279,10 +279,14 @@ def test_length_check_is_one_config_error():
         validate(_config(task="long_multiplication", mixture="3x9"))
 
 
-def test_corrupt_share_is_checked():
+def test_warmup_settings_are_checked():
     c = get_config()
     c.sft.corrupt_share = -0.1
     with pytest.raises(ConfigError, match=r"sft.corrupt_share must be in \[0, 1\], got -0.1"):
+        validate(c)
+    c = get_config()
+    c.sft.schedule = "linear"
+    with pytest.raises(ConfigError, match=r"sft.schedule must be one of .*got 'linear'"):
         validate(c)
 
 

@@ -1,6 +1,6 @@
 """The warm-up cache (``sat_jax.rl.sft``): a second call with the same settings and code loads the
-first's parameters; a change of the code digest (model source, JAX version) or of the corrupted
-share trains again; a corrupt entry is rebuilt."""
+first's parameters; a change of the code digest (model source, JAX version), of the corrupted
+share or of the schedule trains again; a corrupt entry is rebuilt."""
 
 import glob
 import json
@@ -15,13 +15,13 @@ from sat_jax.models import ModelConfig, init_model
 from sat_jax.rl import sft
 
 
-def _warmup(cache_dir, params, graphdef, tokenizer, **kwargs):
+def _warmup(cache_dir, params, graphdef, tokenizer, steps=2, **kwargs):
     return sft.warmup(
         graphdef,
         params,
         tokenizer,
         AdditionTask(1, eval_size=20),
-        steps=2,
+        steps=steps,
         batch_size=4,
         learning_rate=1e-2,
         seed=0,
@@ -88,6 +88,26 @@ def test_corrupt_share_is_in_the_key(tmp_path):
     assert info["sft/digest"] == sft.params_digest(corrupted) != sft.params_digest(clean)
     with pytest.raises(ValueError, match=r"corrupt_share must be in \[0, 1\], got -0.5"):
         _warmup(tmp_path, params, graphdef, tokenizer, corrupt_share=-0.5)
+
+
+def test_schedule_is_in_the_key_and_decays(tmp_path):
+    """A cosine warm-up is its own cache entry; its first step is the constant one's (both at
+    the peak rate), its second is not (the rate has decayed)."""
+    tokenizer, graphdef, params = _model()
+    one = {
+        s: _warmup(tmp_path / "one", params, graphdef, tokenizer, steps=1, schedule=s)
+        for s in sft.SCHEDULES
+    }
+    assert [info["sft/cached"] for _, info in one.values()] == [0.0, 0.0]
+    assert len(glob.glob(str(tmp_path / "one" / "sft-*.npz"))) == 2
+    jax.tree.map(np.testing.assert_array_equal, one["constant"][0], one["cosine"][0])
+    two = {
+        s: _warmup(tmp_path / "two", params, graphdef, tokenizer, schedule=s) for s in sft.SCHEDULES
+    }
+    differs = jax.tree.map(lambda a, b: bool(np.any(a != b)), two["constant"][0], two["cosine"][0])
+    assert any(jax.tree.leaves(differs))
+    with pytest.raises(ValueError, match=r"schedule must be one of .*got 'linear'"):
+        _warmup(tmp_path, params, graphdef, tokenizer, schedule="linear")
 
 
 def test_params_digest_is_an_exact_fingerprint():
