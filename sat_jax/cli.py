@@ -101,6 +101,12 @@ _BASELINE = flags.DEFINE_string(
     None,
     "Method the paired differences are against (compare --grid; default grpo, core: grpo_r3).",
 )
+_PRESET = flags.DEFINE_string(
+    "preset",
+    None,
+    "Base run every method is swapped into (compare --grid; a name of "
+    "sat_jax.config.presets.PRESETS, e.g. stale or stale_sort; default: the grid's).",
+)
 _LAG_MODE = flags.DEFINE_enum(
     "lag_mode",
     "broadcast",
@@ -147,6 +153,7 @@ _COMMAND_FLAGS = {
         "lrs",
         "methods",
         "baseline",
+        "preset",
         "lag_mode",
         "set",
         "report_only",
@@ -356,6 +363,7 @@ def compare_grid(rest: list[str]) -> int:
             lrs=lrs,
             methods=methods,
             baseline=_BASELINE.value,
+            preset=_PRESET.value,
         )
         # An explicit --lag_mode wins; else the grid's own (a protocol's), else the flag's default.
         lag_mode = _LAG_MODE.value if _LAG_MODE.present else grid.lag_mode or _LAG_MODE.value

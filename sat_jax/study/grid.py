@@ -370,11 +370,13 @@ def resolve(
     lrs: Sequence[float] | None = None,
     methods: Sequence[str] | None = None,
     baseline: str | None = None,
+    preset: str | None = None,
 ) -> Grid:
     """The named grid with the command line's choices applied, checked.
 
     Raises:
-      ValueError: unknown grid or method, seeds < 1, no lags, a baseline not in the methods.
+      ValueError: unknown grid, method or preset, seeds < 1, no lags, a baseline not in the
+        methods.
     """
     if isinstance(grid, str):
         if grid not in GRIDS:
@@ -398,6 +400,12 @@ def resolve(
         changes["methods"] = tuple(methods)
     if baseline is not None:
         changes["baseline"] = baseline
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(
+                f"--preset: unknown preset {preset!r}; expected one of {sorted(PRESETS)}"
+            )
+        changes["preset"] = preset
     grid = dataclasses.replace(grid, **changes)
     if grid.baseline not in grid.methods:
         raise ValueError(

@@ -56,6 +56,12 @@ def test_a_preset_grid_starts_every_run_from_its_preset(tmp_path):
         assert c.name == spec.method and c.optim.learning_rate == spec.lr
     with pytest.raises(ValueError, match="unknown preset 'nope'"):
         study_grid.method_config("grpo", "nope")
+    # --preset swaps the base run under the same grid
+    mul = study_grid.expand(study_grid.resolve("stale-phase0", preset="stale"), str(tmp_path))
+    assert [s.name for s, _ in mul] == [s.name for s, _ in runs]
+    assert {c.data.task for _, c in mul} == {presets.stale_base().data.task}
+    with pytest.raises(ValueError, match="--preset: unknown preset 'nope'"):
+        study_grid.resolve("stale-phase0", preset="nope")
 
 
 def test_stale_grid_expands_to_exactly_its_declared_runs(tmp_path):
