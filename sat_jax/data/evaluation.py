@@ -85,7 +85,9 @@ def evaluate(
       reward_fn: ``(completion, example) -> float``; default ``source.reward``.
 
     Returns:
-      ``{"pass@1": ..., f"avg@{k}": ..., f"pass@{k}": ..., "n": num_prompts, "k": k}``.
+      ``{"pass@1": ..., f"avg@{k}": ..., f"pass@{k}": ..., "n": num_prompts, "k": k}``, and
+      ``f"pass@1/{level}"`` for each difficulty level when the examples carry a ``"level"``
+      (the built-in tasks' mixtures), over that level's evaluated prompts.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
@@ -103,8 +105,10 @@ def evaluate(
             raise ValueError("source has no reward method; pass reward_fn")
         reward_fn = source.reward
     rewards = np.zeros((num_prompts, k), dtype=np.float64)
+    levels: list[Any] = []
     for start in range(0, num_prompts, batch_size):
         examples = [source[i] for i in range(start, min(start + batch_size, num_prompts))]
+        levels += [ex.get("level") if isinstance(ex, dict) else None for ex in examples]
         outputs = generate_fn([ex["prompt"] for ex in examples])
         if len(outputs) != len(examples):
             raise ValueError(
@@ -122,10 +126,15 @@ def evaluate(
                 if not math.isfinite(value):
                     raise ValueError(f"reward of prompt {start + j}, sample {s} is {value}")
                 rewards[start + j, s] = value
-    return {
+    out = {
         "pass@1": pass1(rewards),
         f"avg@{k}": avg_at_k(rewards),
         f"pass@{k}": mean_pass_at_k(rewards, k),
         "n": num_prompts,
         "k": k,
     }
+    if any(level is not None for level in levels):
+        names = np.array([str(level) for level in levels])
+        for name in sorted(set(names)):
+            out[f"pass@1/{name}"] = pass1(rewards[names == name])
+    return out

@@ -130,7 +130,8 @@ def evaluate(
     key,
     version: int = 0,
 ) -> dict[str, float]:
-    """pass@1, avg@G and unbiased pass@G on held-out prompts (G = the engine's group size).
+    """pass@1, avg@G and unbiased pass@G on held-out prompts (G = the engine's group size), and
+    pass@1 per difficulty level (``pass@1/LEVEL``) when the examples carry one.
 
     Scoring and metrics are ``sat_jax.data.evaluate``'s; this supplies the generator. Batches keep
     the training shape (``prompts_per_batch`` × G), so evaluation reuses the compiled sampler; the
@@ -151,4 +152,5 @@ def evaluate(
     res = evaluate_generations(
         generate, examples, g, batch_size=prompts_per_batch, reward_fn=engine.reward_fn
     )
-    return {name: float(res[name]) for name in ("pass@1", f"avg@{g}", f"pass@{g}")}
+    keep = ("pass@1", f"avg@{g}", f"pass@{g}")
+    return {name: float(v) for name, v in res.items() if name in keep or name.startswith("pass@1/")}

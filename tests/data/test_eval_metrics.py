@@ -15,6 +15,7 @@ from sat_jax.data import (
     pass1,
     pass_at_k,
 )
+from sat_jax.data.tasks import SortDigitsTask
 
 
 def test_pass_at_k_hand_values():
@@ -71,6 +72,30 @@ def test_evaluate_with_fake_generate_fn():
     assert metrics["pass@1"] == pytest.approx(10 / 18)
     assert metrics["avg@3"] == pytest.approx(10 / 18)
     assert metrics["pass@3"] == pytest.approx(5 / 6)
+
+
+def test_evaluate_splits_pass1_by_difficulty_level():
+    """A mixture task's examples carry their level; pass@1 is also reported per level, over that
+    level's prompts only, and the overall pass@1 is their prompt-weighted mean."""
+    task = SortDigitsTask("4:1,12:1", train_size=20, eval_size=10, seed=0)
+    source = TaskSource(task, "eval")
+    examples = [source[i] for i in range(len(source))]
+    assert sorted(ex["level"] for ex in examples) == ["12"] * 5 + ["4"] * 5
+
+    def generate_fn(prompts):
+        # Lists of 4 digits always right; lists of 12 right in 1 sample of 2.
+        out = []
+        for p in prompts:
+            right = "".join(sorted(p[:-1]))
+            out.append([right, right] if len(right) == 4 else [right, right + "0"])
+        return out
+
+    metrics = evaluate(generate_fn, source, k=2)
+    assert metrics["pass@1/4"] == 1.0 and metrics["pass@1/12"] == 0.5
+    assert metrics["pass@1"] == pytest.approx(0.75)
+    first = evaluate(generate_fn, source, k=2, num_prompts=3)  # only the levels evaluated
+    seen = {ex["level"] for ex in examples[:3]}
+    assert {k for k in first if k.startswith("pass@1/")} == {f"pass@1/{v}" for v in seen}
 
 
 def test_evaluate_math_source_and_subset():
