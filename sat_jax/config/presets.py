@@ -7,13 +7,15 @@
 
 Why this shape: long responses (the ratio noise of a sequence grows with its length) and many
 small experts (near-ties between the k-th and (k+1)-th router logit, so a bfloat16 engine flips
-routing against the float32 trainer and R3 has something to remove). The warm-up trains on
-traces of which ``sft.corrupt_share`` have a wrong final answer, so RL starts from a weak base
-policy with reward to gain; ``data.mixture`` keeps held-out pass@1 away from 0 and 1 so groups
-rarely score all-equal (``benchmarks/routing.py`` measures the routing flip rate).
+routing against the float32 trainer and R3 has something to remove). The warm-up (4000 steps
+on clean traces, its learning rate cosine-decayed) stops at a weak base policy with reward to
+gain: held-out pass@1 0.24 on seed 0 (docs/results/stale/README.md); ``data.mixture`` keeps
+held-out pass@1 away from 0 and 1 so groups rarely score all-equal
+(``benchmarks/routing.py`` measures the routing flip rate).
 
 ``stale_sort``: the same run on ``sort_digits`` (lists of 16, 24 and 32 digits), whose response
-length is the list length, so length varies without the arithmetic.
+length is the list length, so length varies without the arithmetic. Its warm-up trains on
+traces of which ``sft.corrupt_share`` have a wrong final answer.
 
 Methods and lags come from the command line, e.g. ``--config.loss.objective=sat --config.lag=8``
 or ``--config.data.task=sort_digits --config.data.mixture=16:1,32:1`` (each task's lengths must
@@ -47,9 +49,10 @@ def stale_base() -> ml_collections.ConfigDict:
     m.rope_theta = 1e6
     c.rollout.group_size = 8
     c.rollout.prompts_per_step = 8
-    c.sft.steps = 1500
+    c.sft.steps = 4000
     c.sft.batch_size = 64
-    c.sft.corrupt_share = 0.5
+    c.sft.schedule = "cosine"
+    c.sft.corrupt_share = 0.0
     c.optim.learning_rate = 1e-4
     c.eval.every = 50
     c.eval.num_prompts = 128
@@ -65,6 +68,7 @@ def stale_sort() -> ml_collections.ConfigDict:
     c.data.max_prompt_len = 34  # 32 digits, "=" and BOS
     c.data.max_new_tokens = 34  # 32 digits and EOS, one spare
     c.sft.steps = 600
+    c.sft.schedule = "constant"
     c.sft.corrupt_share = 0.3
     return c
 

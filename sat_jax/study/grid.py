@@ -171,9 +171,8 @@ GRIDS: dict[str, Grid] = {
         lags=(1, 8),
         lrs=(1e-4, 3e-4, 1e-3),
         seeds=1,
-        # The sorting testbed: its warm-up reaches a weak base policy (held-out pass@1 0.09-0.35
-        # over seeds 0-3 and two CPUs, at corrupt_share 0.3); the multiplication one's does not
-        # yet (pass@1 ~0 after 1500 steps).
+        # The sorting testbed (held-out pass@1 0.09-0.35 after its warm-up, over seeds 0-3 and
+        # two CPUs); --preset stale runs the same grid on the multiplication testbed.
         preset="stale_sort",
         description="phase 0 of the staleness study (calibration, one seed): GRPO and SAT-GRPO "
         "on the long-response testbed over learning rate × lag; the setting is chosen by "
