@@ -102,8 +102,13 @@ def make_sampler(config, model_cfg: ModelConfig, tokenizer) -> Sampler | Continu
     )
 
 
-def build(config, log=lambda msg: None) -> Components:
-    """Builds data, model (with its cached warm-up), rollout engine, loss and optimizer."""
+def build(config, log=lambda msg: None, *, warmup: bool = True) -> Components:
+    """Builds data, model (with its cached warm-up), rollout engine, loss and optimizer.
+
+    ``warmup=False`` leaves the parameters at their initialisation, for callers that restore a
+    checkpoint over them (a resumed run, ``eval``): an uncached warm-up would be trained only to
+    be overwritten.
+    """
     devices = jax.devices()
     rollout_device = None
     if config.mesh.rollout_device >= 0:
@@ -150,7 +155,7 @@ def build(config, log=lambda msg: None) -> Components:
     prompt_width, response_width = config.data.max_prompt_len, config.data.max_new_tokens
     sft_info: dict[str, float] = {}
     # The warm-up makes a weak base policy for the built-in tasks; a loaded checkpoint is one.
-    if task is not None and config.sft.steps > 0 and not hf_path:
+    if warmup and task is not None and config.sft.steps > 0 and not hf_path:
         t0 = time.perf_counter()
         params, sft_info = sft.warmup(
             graphdef,

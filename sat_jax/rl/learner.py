@@ -152,7 +152,7 @@ def evaluate_run(config) -> dict[str, Any]:
             )
         if latest is None:
             raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
-        parts = build(config)
+        parts = build(config, warmup=False)  # the checkpoint's parameters replace these
         state = trainer.init_train_state(
             parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
         )
@@ -272,7 +272,9 @@ class _Session:
         self.config, self.ckpt, self.workdir, self.log = config, ckpt, workdir, log
         self.horizon, self.url = horizon, url
         self.primary = parallel.is_primary()
-        self.parts = parts = build(_with_horizon(config, horizon), log)
+        resuming = bool(config.resume) and ckpt.latest_step() is not None
+        # A resumed run's parameters (and its reference policy) come from the checkpoint.
+        self.parts = parts = build(_with_horizon(config, horizon), log, warmup=not resuming)
         # Reused from an earlier run of this process with the same program (a study's grid).
         self.train_step = shared_train_step(_with_horizon(config, horizon), parts, donate=True)
         self.ref_params = parts.params
@@ -291,7 +293,7 @@ class _Session:
         )
         self.start = 0
         restored = None
-        if config.resume and ckpt.latest_step() is not None:
+        if resuming:
             restored, meta, self.start = ckpt.restore(
                 _restore_target(self.state, parts.params, self.ref_params), unchecked=_DATA
             )

@@ -18,7 +18,7 @@ import pytest
 
 from sat_jax import config as config_lib
 from sat_jax import parallel
-from sat_jax.rl import lag_stats, learner, trainer
+from sat_jax.rl import lag_stats, learner, sft, trainer
 from sat_jax.rl.stream import StreamRollouts
 from sat_jax.run.metrics import read_metrics
 from sat_jax.sampling import SamplingParams
@@ -527,6 +527,29 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, cache_dir):
     assert "Traceback" not in out
     steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
     assert steps and steps[-1] >= 2
+
+
+def test_resume_and_eval_do_not_train_the_warmup_a_checkpoint_replaces(
+    tmp_path, cache_dir, monkeypatch
+):
+    """A resumed run and ``eval`` take every parameter from the checkpoint, so an uncached
+    warm-up (a fresh machine, a cleared cache) is not trained for them; a fresh run still is."""
+    config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
+    config.eval.every = 2
+    learner.train(config, quiet=True)
+    in_training = [r for r in read_metrics(config.workdir) if "eval/pass@1" in r]
+
+    def no_warmup(*args, **kwargs):
+        raise AssertionError("the warm-up was trained for a run whose checkpoint replaces it")
+
+    monkeypatch.setattr(sft, "warmup", no_warmup)
+    evaluated = learner.evaluate_run(config)
+    assert evaluated["step"] == 2 and evaluated["pass@1"] == in_training[-1]["eval/pass@1"]
+    config.num_steps = 3
+    assert learner.train(config, quiet=True)["end_step"] == 3
+    fresh = tiny(config_lib.get_config(), tmp_path / "fresh", cache_dir)
+    with pytest.raises(AssertionError, match="the warm-up was trained"):
+        learner.train(fresh, quiet=True)
 
 
 def test_jsonl_source_runs_through_the_learner(tmp_path, cache_dir):
