@@ -9,7 +9,7 @@ Why this shape: long responses (the ratio noise of a sequence grows with its len
 small experts (near-ties between the k-th and (k+1)-th router logit, so a bfloat16 engine flips
 routing against the float32 trainer and R3 has something to remove). The warm-up (4000 steps
 on clean traces, its learning rate cosine-decayed) stops at a weak base policy with reward to
-gain: held-out pass@1 0.24 on seed 0 (docs/results/stale/README.md); ``data.mixture`` keeps
+gain: held-out pass@1 0.20 on seed 0 (docs/results/stale/README.md); ``data.mixture`` keeps
 held-out pass@1 away from 0 and 1 so groups rarely score all-equal
 (``benchmarks/routing.py`` measures the routing flip rate).
 

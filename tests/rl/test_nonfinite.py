@@ -86,8 +86,8 @@ def _nan_rewards(monkeypatch, which):
     """Makes the run's reward NaN for the completions ``which(example)`` selects."""
     build = learner.build
 
-    def patched(config, log=lambda msg: None):
-        parts = build(config, log)
+    def patched(config, log=lambda msg: None, **kwargs):
+        parts = build(config, log, **kwargs)
         reward = parts.engine.reward_fn
         parts.engine.reward_fn = lambda text, ex: math.nan if which(ex) else reward(text, ex)
         return parts
