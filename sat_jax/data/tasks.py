@@ -20,7 +20,9 @@ a sequence) draw each example from a difficulty *mixture* of levels with weights
 
 A mixture is written ``"LEVEL:WEIGHT,LEVEL:WEIGHT,..."`` (``"3x3:2,4x3:1"``; a missing weight is
 1). Each level gets a fixed share of each split (largest remainder of ``size * weight / total``),
-so the level counts are exact, not sampled.
+so the level counts are exact, not sampled. The held-out split is ordered so that every prefix
+(an evaluation on ``eval.num_prompts`` < ``eval_size`` prompts) holds each level within one
+example of its share.
 """
 
 from __future__ import annotations
@@ -299,6 +301,18 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
     return [int(c) for c in counts]
 
 
+def _stratified_order(levels: np.ndarray, num_levels: int) -> np.ndarray:
+    """An order of ``levels`` (shuffled level ids) in which every prefix holds each level within
+    one example of its share: the i-th example of a level of n is placed at (i + 1/2) / n, ties
+    to the earlier position. Within a level the shuffled order is kept."""
+    counts = np.bincount(levels, minlength=num_levels)
+    rank = np.zeros(len(levels), dtype=np.int64)
+    seen = np.zeros(num_levels, dtype=np.int64)
+    for i, k in enumerate(levels):
+        rank[i], seen[k] = seen[k], seen[k] + 1
+    return np.lexsort((np.arange(len(levels)), (rank + 0.5) / counts[levels]))
+
+
 class _MixtureSplit(_LazySplit):
     """Lazy sequence of examples: entry ``i`` is instance ``rows[i]`` of level ``levels[i]``."""
 
@@ -364,7 +378,11 @@ class _MixtureTask(Task):
             levels = np.concatenate([lv for lv, _ in refs])
             rows = np.concatenate([r for _, r in refs])
             order = rng.permutation(len(levels))
-            setattr(self, split, _MixtureSplit(self, levels[order], rows[order], split))
+            levels, rows = levels[order], rows[order]
+            if split == "eval":
+                order = _stratified_order(levels, len(self.mixture))
+                levels, rows = levels[order], rows[order]
+            setattr(self, split, _MixtureSplit(self, levels, rows, split))
 
     def level_name(self, k: int) -> str:
         return "x".join(map(str, self.mixture[k][0]))

@@ -20,7 +20,7 @@ from sat_jax.data import (
     parse_mixture,
     task_from_config,
 )
-from sat_jax.data.tasks import apportion
+from sat_jax.data.tasks import _stratified_order, apportion
 from sat_jax.models import ModelConfig, abstract_params
 from sat_jax.rl.sft import corrupt_pairs, layout_pairs
 
@@ -125,6 +125,30 @@ def test_mixture_counts_are_exact():
     assert len(set(first)) == 3
     assert apportion(7, [1.0, 1.0, 1.0]) == [3, 2, 2]
     assert apportion(5, [0.5, 4.5]) == [1, 4]
+
+
+@pytest.mark.parametrize(
+    "cls,mixture", [(LongMultiplicationTask, "2x2:1,3x2:2,3x3:1"), (SortDigitsTask, "4:1,12:3")]
+)
+def test_every_held_out_prefix_keeps_the_mixture(cls, mixture):
+    """An evaluation on the first m held-out prompts sees each level within one example of its
+    share m * n_level / n, for every m; the split is the same set, the train split untouched."""
+    task = cls(mixture, train_size=400, eval_size=203, seed=3)
+    counts = task.level_counts("eval")
+    share = {name: c / 203 for name, c in counts.items()}
+    seen = collections.Counter()
+    for m, ex in enumerate(task.eval, start=1):
+        seen[ex["level"]] += 1
+        assert all(abs(seen[name] - m * share[name]) <= 1 for name in counts), (m, seen)
+    assert seen == counts
+    first = [ex["level"] for ex in task.eval[:8]]
+    assert len(set(first)) == len(counts)  # interleaved, not blocked
+
+
+def test_stratified_order_by_hand():
+    # Level 0 (3 examples) at 1/6, 1/2, 5/6; level 1 (2) at 1/4, 3/4; each level's order kept.
+    order = _stratified_order(np.array([0, 0, 1, 0, 1]), 2)
+    assert order.tolist() == [0, 2, 1, 4, 3]
 
 
 def test_parse_mixture():
