@@ -86,6 +86,12 @@ LABELS = {
 GRID_FIELDS = ("name", "seed", "lag", "lag_mode", "workdir", "resume")
 
 
+def _check_preset(preset: str, where: str = "") -> None:
+    """Raises ValueError (its message prefixed by ``where``) for a name not in ``PRESETS``."""
+    if preset not in PRESETS:
+        raise ValueError(f"{where}unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Grid:
     """A named grid: methods × lags × learning rates (None: the config's own) × seeds.
@@ -219,10 +225,7 @@ def stale_grid(
         raise ValueError(f"stale grid: baseline {baseline!r} is not one of the arms {arms}")
     if primary is not None and (len(primary) != 2 or not set(primary) <= set(arms)):
         raise ValueError(f"stale grid: primary {primary!r} must be two of the arms {arms}")
-    if preset not in PRESETS:
-        raise ValueError(
-            f"stale grid: unknown preset {preset!r}; expected one of {sorted(PRESETS)}"
-        )
+    _check_preset(preset, "stale grid: ")
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"stale grid: seeds must be an int >= 1, got {seeds!r}")
     if isinstance(first_seed, bool) or not isinstance(first_seed, int) or first_seed < 0:
@@ -400,10 +403,7 @@ def resolve(
     if baseline is not None:
         changes["baseline"] = baseline
     if preset is not None:
-        if preset not in PRESETS:
-            raise ValueError(
-                f"--preset: unknown preset {preset!r}; expected one of {sorted(PRESETS)}"
-            )
+        _check_preset(preset, "--preset: ")
         changes["preset"] = preset
     grid = dataclasses.replace(grid, **changes)
     if grid.baseline not in grid.methods:
@@ -419,8 +419,7 @@ def method_config(method: str, preset: str = "default", loss: Mapping[str, Any] 
     (``config.loss`` field -> value)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {sorted(METHODS)}")
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    _check_preset(preset)
     objective, r3, correction = METHODS[method]
     fields = {**METHOD_LOSS.get(method, {}), **(loss or {})}
     return config_lib.method_config(
