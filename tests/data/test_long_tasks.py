@@ -132,7 +132,7 @@ def test_mixture_counts_are_exact():
 )
 def test_every_held_out_prefix_keeps_the_mixture(cls, mixture):
     """An evaluation on the first m held-out prompts sees each level within one example of its
-    share m * n_level / n, for every m; the split is the same set, the train split untouched."""
+    share m * n_level / n, for every m, and the whole split holds the exact level counts."""
     task = cls(mixture, train_size=400, eval_size=203, seed=3)
     counts = task.level_counts("eval")
     share = {name: c / 203 for name, c in counts.items()}
