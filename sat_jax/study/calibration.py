@@ -6,7 +6,7 @@ A *setting* is one study directory of ``sat-jax compare --grid`` runs (its knobs
 the ``--set`` overrides it was run with) at one learning rate, holding a baseline and the SAT
 method on that baseline (a *family*: GRPO and SAT-GRPO, GSPO and SAT-GSPO, ...) at a low and a
 high lag. Where a cell (method, lag, learning rate) holds several seeds, its numbers are their
-means (``_cell``). It passes when all four checks hold:
+means (``_cell``), over the seeds the entry's cells share. It passes when all four checks hold:
 
 1. **harm**: the baseline at the high lag ends lower than at the low lag (mean held-out pass@1 over
    the last 20% of evaluations, ``tail20``, lower by at least :data:`HARM_MARGIN`), or collapses
@@ -77,6 +77,7 @@ def read_rows(study_dir: str) -> list[dict[str, Any]]:
         for k in _FLOATS:
             r[k] = _number(r.get(k))
         r["lag"] = int(r["lag"])
+        r["seed"] = int(r.get("seed") or 0)
         r["collapse_step"] = int(r["collapse_step"]) if r.get("collapse_step") else None
     return rows
 
@@ -113,8 +114,26 @@ def checks(
     return out
 
 
+def _paired(rows, baseline, sat, lr, lo, hi) -> list[Mapping[str, Any]]:
+    """``rows`` restricted to the seeds the entry's cells share, so that every mean of an entry
+    is over the same seeds: those the baseline ran at both lags and, where SAT ran at the high
+    lag, SAT there too (a lag run on seeds 0-3 beside another run on seed 0 reads seed 0)."""
+
+    def seeds(method, lag):
+        return {
+            r["seed"] for r in rows if r["method"] == method and r["lag"] == lag and r["lr"] == lr
+        }
+
+    common = seeds(baseline, lo) & seeds(baseline, hi)
+    if common & seeds(sat, hi):
+        common &= seeds(sat, hi)
+    return [r for r in rows if r["seed"] in common]
+
+
 def _entry(setting, rows, baseline, sat, eps_high, lr, lo, hi) -> dict[str, Any]:
-    """The checks of one (learning rate, low lag, high lag) of a setting."""
+    """The checks of one (learning rate, low lag, high lag) of a setting, over the seeds its
+    cells share (:func:`_paired`)."""
+    rows = _paired(rows, baseline, sat, lr, lo, hi)
     b_lo, b_hi = _cell(rows, baseline, lo, lr), _cell(rows, baseline, hi, lr)
     s_lo, s_hi = _cell(rows, sat, lo, lr), _cell(rows, sat, hi, lr)
     drop = b_lo["tail20"] - b_hi["tail20"]

@@ -257,3 +257,33 @@ def test_several_seeds_are_averaged(tmp_path):
         "one", calibration.read_rows(tmp_path / "one"), baseline="gspo", sat="sat_gspo"
     )
     assert e["base_collapses"] == (0, 1) and e["harm"] is False
+
+
+def test_an_entry_reads_only_the_seeds_its_cells_share(tmp_path):
+    """Lag 1 on seeds 0-3 beside lag 16 on seed 0 only: the 1 / 16 entry compares seed 0 with
+    seed 0, not seed 0's lag 16 with the four seeds' mean at lag 1; the 1 / 8 entry, where SAT
+    ran seeds 0-2 only, reads those three."""
+    rows = [_row("gspo", 1, 4e-5, t, 0.004, seed=s) for s, t in enumerate((0.74, 0.47, 0.59, 0.53))]
+    rows += [_row("gspo", 8, 4e-5, t, 0.03, seed=s) for s, t in enumerate((0.69, 0.4, 0.5, 0.2))]
+    rows += [_row("sat_gspo", 8, 4e-5, 0.5, 0.03, 0.04, b, seed=s) for s, b in enumerate((1, 2, 3))]
+    rows += [_row("gspo", 16, 4e-5, 0.61, 0.058), _row("sat_gspo", 16, 4e-5, 0.6, 0.06, 0.07, 0.04)]
+    _write(tmp_path / "z", rows)
+    e8, e16 = calibration.checks(
+        "z", calibration.read_rows(tmp_path / "z"), baseline="gspo", sat="sat_gspo"
+    )
+    assert e16["lags"] == (1, 16) and e16["seeds"] == 1
+    assert e16["base_tail20"] == pytest.approx((0.74, 0.61)) and e16["harm"] is True
+    assert e8["lags"] == (1, 8) and e8["seeds"] == 3
+    assert e8["base_tail20"] == pytest.approx((0.60, 0.53)) and e8["binding"][1] == 2
+    # Without SAT at the high lag, the baseline's shared seeds (all four).
+    (e,) = calibration.checks(
+        "z",
+        [
+            r
+            for r in calibration.read_rows(tmp_path / "z")
+            if r["lag"] != 16 and r["method"] == "gspo"
+        ],
+        baseline="gspo",
+        sat="sat_gspo",
+    )
+    assert e["base_tail20"] == pytest.approx((0.5825, 0.4475))
