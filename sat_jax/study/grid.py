@@ -49,9 +49,14 @@ METHODS: dict[str, tuple[str, bool, str]] = {
 }
 
 #: ε of the matched-step controls' uniformly tighter clip, ε_low = ε_high (the default run's is
-#: 0.2). A placeholder: the staleness protocol fixes it after calibration, so that the control's
-#: clip fraction matches SAT's (``stale_grid(tight_eps=)``).
+#: 0.2): the default of ``configs/*_tight.py`` and :func:`stale_grid`. The staleness protocol
+#: calibrates its own so that the control's clip fraction matches SAT's (:data:`STALE_TIGHT_EPS`).
 TIGHT_EPS = 0.1
+
+#: The matched-step control's ε of the staleness study's phase 1 (docs/results/stale/PROTOCOL.md):
+#: of {0.05, 0.07, 0.1, 0.14}, the one whose clip fraction (GSPO, fixed lag 4, lr 7e-5, seed 0)
+#: was closest to SAT-GSPO's there.
+STALE_TIGHT_EPS = 0.07
 
 #: Loss fields a method sets besides its objective, R3 and correction.
 METHOD_LOSS: dict[str, dict[str, Any]] = {
@@ -258,7 +263,26 @@ def stale_grid(
     )
 
 
-GRIDS["stale"] = stale_grid()
+#: Phase 1 of the staleness study, as its protocol fixes it (docs/results/stale/PROTOCOL.md):
+#: GSPO, SAT-GSPO and the matched-step control on the sorting testbed at a fixed lag of 1 and 4,
+#: lr 7e-5, 300 steps, evaluated on all 512 held-out prompts, seeds 4-11 (phase 0 used 0-3).
+GRIDS["stale"] = stale_grid(
+    ("gspo", "sat_gspo", "gspo_tight"),
+    lags=(1, 4),
+    seeds=8,
+    first_seed=4,
+    baseline="gspo",
+    primary=("sat_gspo", "gspo"),
+    tight_eps=STALE_TIGHT_EPS,
+    preset="stale_sort",
+    settings=(
+        "optim.learning_rate=7e-5",
+        "num_steps=300",
+        "eval.every=25",
+        "eval.num_prompts=512",
+    ),
+    lag_mode="fixed",
+)
 
 
 @dataclasses.dataclass(frozen=True)

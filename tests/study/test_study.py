@@ -65,9 +65,9 @@ def test_a_preset_grid_starts_every_run_from_its_preset(tmp_path):
 
 
 def test_stale_grid_expands_to_exactly_its_declared_runs(tmp_path):
-    # The default: phase 1's minimum, 3 arms × lags 1, 8 × 8 seeds, seed by seed (all of a
-    # seed's runs before the next seed's, so a seed's runs share one machine's warm-up).
-    default = study_grid.expand(study_grid.resolve("stale"), str(tmp_path))
+    # The function's default: phase 1's minimum, 3 arms × lags 1, 8 × 8 seeds, seed by seed
+    # (all of a seed's runs before the next seed's, so a seed's runs share one machine's warm-up).
+    default = study_grid.expand(study_grid.stale_grid(), str(tmp_path))
     assert [(s.method, s.lag, s.seed) for s, _ in default] == [
         (m, lag, seed)
         for seed in range(8)
@@ -94,7 +94,6 @@ def test_stale_grid_expands_to_exactly_its_declared_runs(tmp_path):
     assert [(s.method, s.lag, s.seed) for s, _ in runs] == want
     assert len({s.name for s, _ in runs}) == len(want) == 24
     assert g.primary == ("sat_gspo_r3", "gspo_r3") and g.preset == "stale"
-    assert study_grid.GRIDS["stale"].primary == ("sat_grpo", "grpo")
     # Seeds from first_seed on (a re-run on unused seeds), still seed by seed.
     later = study_grid.expand(study_grid.stale_grid(seeds=2, first_seed=8), str(tmp_path))
     assert [(s.method, s.lag, s.seed) for s, _ in later] == [
@@ -120,6 +119,34 @@ def test_stale_grid_expands_to_exactly_its_declared_runs(tmp_path):
         assert (c.num_steps, c.rollout.router_noise) == (200, 0.2)
     tis = [c for s, c in runs if s.method == "tis_pg_r3"]
     assert tis and all(c.loss.tis_pg_cap == 2.0 for c in tis)
+
+
+def test_the_stale_grid_is_the_protocol(tmp_path):
+    """``--grid stale`` expands to exactly PROTOCOL.md's 48 runs: GSPO, SAT-GSPO and the
+    matched-step control × fixed lags 1 and 4 × seeds 4-11 (seed by seed) on the sorting preset,
+    lr 7e-5, 300 steps, evaluated on 512 held-out prompts; the control's ε is the protocol's."""
+    g = study_grid.resolve("stale")
+    assert g.primary == ("sat_gspo", "gspo") and g.baseline == "gspo"
+    runs = study_grid.expand(g, str(tmp_path))
+    assert [(s.method, s.lag, s.seed) for s, _ in runs] == [
+        (m, lag, seed)
+        for seed in range(4, 12)
+        for m in ("gspo", "sat_gspo", "gspo_tight")
+        for lag in (1, 4)
+    ]
+    eps = study_grid.STALE_TIGHT_EPS
+    for spec, c in runs:
+        assert (spec.lag_mode, c.lag_mode, c.lag, c.seed) == ("fixed", "fixed", spec.lag, spec.seed)
+        assert c.loss.objective == study_grid.METHODS[spec.method][0] and c.loss.r3 is False
+        assert (c.data.task, c.data.mixture) == ("sort_digits", "16:1,24:1,32:1")
+        assert (c.optim.learning_rate, c.num_steps, c.eval.every) == (7e-5, 300, 25)
+        assert c.eval.num_prompts == 512 == c.data.eval_size
+        want = eps if spec.method == "gspo_tight" else 0.2
+        assert (c.loss.eps_low, c.loss.eps_high) == (want, want)
+    assert runs[0][0].name == "gspo-fixed1-lr7e-05-seed4"
+    with open(os.path.join(ROOT, "docs", "results", "stale", "PROTOCOL.md"), encoding="utf-8") as f:
+        protocol = f.read()
+    assert f"ε_low = ε_high = {eps:g}" in protocol and "Seeds 4–11" in protocol
 
 
 def test_a_grid_fixes_its_own_lag_mode_and_an_explicit_one_wins(tmp_path):
