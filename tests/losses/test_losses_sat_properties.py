@@ -86,7 +86,11 @@ def test_proposition_4_1(d, adv, mask, el, eh, alpha):
     assert float(metrics["sat/gate_rate"]) <= 1 - alpha + 1e-6
     chex.assert_trees_all_close(metrics["sat/gate_rate"], gated.sum() / n, rtol=1e-6)
     chex.assert_trees_all_close(metrics["sat/binding_rate"], band.sum() / n, rtol=1e-6)
-    assert float(metrics["sat/q"]) == q
+    # Equal, except that a subnormal q may read 0: XLA's CPU threads can flush subnormals, so
+    # the float path of the metric and the bit-pattern path of ``_sat_contraction`` can differ
+    # there (the gate |d| > q treats both alike for every normal d).
+    tiny = float(np.finfo(np.float32).tiny)
+    assert float(metrics["sat/q"]) == q or (q < tiny and float(metrics["sat/q"]) == 0.0)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
