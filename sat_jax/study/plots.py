@@ -26,8 +26,8 @@ def plot_trajectories(
     """One panel per method of ``runs`` ((spec, records) pairs), one colour per lag; each seed a
     thin line, the mean over seeds (on the steps every seed logged) bold. ``smoothed`` draws a
     trailing moving average over a twentieth of the run (at least 5 steps) instead of raw values.
-    Returns the PNG path, or None when no run logged ``key``."""
-    methods = list(dict.fromkeys(spec.method for spec, _ in runs))
+    Methods none of whose runs logged ``key`` (q and binding for a non-SAT objective) get no
+    panel. Returns the PNG path, or None when no run logged ``key``."""
     lags = sorted({spec.lag for spec, _ in runs})
     series: dict[tuple[str, int], list[tuple[np.ndarray, np.ndarray]]] = {}
     for spec, records in runs:
@@ -38,6 +38,8 @@ def plot_trajectories(
             series.setdefault((spec.method, spec.lag), []).append((steps, values))
     if not series:
         return None
+    logged = {method for method, _ in series}
+    methods = [m for m in dict.fromkeys(spec.method for spec, _ in runs) if m in logged]
     ncols = min(3, len(methods))
     nrows = math.ceil(len(methods) / ncols)
     fig = _new_figure((4.2 * ncols, 3.0 * nrows))

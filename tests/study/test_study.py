@@ -840,3 +840,32 @@ def test_warm_up_digests_decide_the_pairing():
     assert report._pairing_line(rows[:2]) == (
         "- pairing: every seed's runs started from the same warm-up (equal warm-up digests)"
     )
+
+
+def test_trajectory_plot_has_panels_only_for_methods_that_logged_the_key(tmp_path, monkeypatch):
+    from sat_jax.study import plots as study_plots
+
+    figures, original = [], study_plots._new_figure
+
+    def new_figure(size):
+        figures.append(original(size))
+        return figures[-1]
+
+    monkeypatch.setattr(study_plots, "_new_figure", new_figure)
+
+    def records(method):
+        q = {"loss/sat/q": 0.1} if method == "sat_gspo" else {}
+        return [{"step": s, "loss/mismatch": 0.01 * s, **q} for s in range(6)]
+
+    runs = [
+        (types.SimpleNamespace(method=m, lag=lag, seed=seed), records(m))
+        for m in ("gspo", "sat_gspo", "gspo_tight")
+        for lag in (1, 4)
+        for seed in (0, 1)
+    ]
+    path = study_plots.plot_trajectories(runs, "loss/sat/q", tmp_path / "q.png", title="q")
+    assert path.is_file() and [ax.get_title() for ax in figures[-1].axes] == ["sat_gspo"]
+    path = study_plots.plot_trajectories(runs, "loss/mismatch", tmp_path / "m.png", title="m")
+    titles = [ax.get_title() for ax in figures[-1].axes]
+    assert path.is_file() and titles == ["gspo", "sat_gspo", "gspo_tight"]
+    assert study_plots.plot_trajectories(runs, "no/such", tmp_path / "n.png", title="n") is None
