@@ -284,6 +284,14 @@ GRIDS["stale"] = stale_grid(
     lag_mode="fixed",
 )
 
+#: The staleness study re-run on seeds it did not use (12-19), its protocol unchanged.
+GRIDS["stale-rerun"] = dataclasses.replace(
+    GRIDS["stale"],
+    name="stale-rerun",
+    first_seed=12,
+    description=GRIDS["stale"].description + "; re-run on seeds neither phase 0 nor phase 1 used",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:

@@ -149,6 +149,21 @@ def test_the_stale_grid_is_the_protocol(tmp_path):
     assert f"ε_low = ε_high = {eps:g}" in protocol and "Seeds 4–11" in protocol
 
 
+def test_the_stale_rerun_is_the_protocol_on_seeds_12_to_19(tmp_path):
+    """``--grid stale-rerun``: every run of ``--grid stale``, config for config, on seeds 12-19."""
+    first = study_grid.expand(study_grid.resolve("stale"), str(tmp_path))
+    rerun = study_grid.expand(study_grid.resolve("stale-rerun"), str(tmp_path))
+    assert len(rerun) == len(first) == 48
+    assert [s.seed for s, _ in rerun] == [s.seed + 8 for s, _ in first]
+    assert study_grid.resolve("stale-rerun").primary == study_grid.resolve("stale").primary
+    for (a, ca), (b, cb) in zip(first, rerun, strict=True):
+        assert dataclasses.replace(b, seed=a.seed) == a
+        da, db = ca.to_dict(), cb.to_dict()
+        assert db.pop("seed") == da.pop("seed") + 8
+        assert (da.pop("workdir"), db.pop("workdir")) == (ca.workdir, cb.workdir)
+        assert cb.workdir.endswith(b.name) and da == db
+
+
 def test_a_grid_fixes_its_own_lag_mode_and_an_explicit_one_wins(tmp_path):
     g = study_grid.stale_grid(
         ("gspo", "sat_gspo"), baseline="gspo", primary=None, seeds=1, lag_mode="fixed"
