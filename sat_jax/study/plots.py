@@ -38,8 +38,7 @@ def plot_trajectories(
             series.setdefault((spec.method, spec.lag), []).append((steps, values))
     if not series:
         return None
-    logged = {method for method, _ in series}
-    methods = [m for m in dict.fromkeys(spec.method for spec, _ in runs) if m in logged]
+    methods = list(dict.fromkeys(method for method, _ in series))  # in the runs' order
     ncols = min(3, len(methods))
     nrows = math.ceil(len(methods) / ncols)
     fig = _new_figure((4.2 * ncols, 3.0 * nrows))

@@ -160,7 +160,7 @@ def test_the_stale_rerun_is_the_protocol_on_seeds_12_to_19(tmp_path):
         assert dataclasses.replace(b, seed=a.seed) == a
         da, db = ca.to_dict(), cb.to_dict()
         assert db.pop("seed") == da.pop("seed") + 8
-        assert (da.pop("workdir"), db.pop("workdir")) == (ca.workdir, cb.workdir)
+        del da["workdir"], db["workdir"]
         assert cb.workdir.endswith(b.name) and da == db
 
 
