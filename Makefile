@@ -32,6 +32,7 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 # The short benchmarks, then docs/benchmarks.md from every result in benchmarks/results/. The
 # long ones and the peers run by name (benchmarks/README.md); `make report` only re-renders.

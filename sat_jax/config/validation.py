@@ -471,10 +471,10 @@ def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
     if d.source == "task" or (d.source == "jsonl" and d.tokenizer == "char"):
         # Cheap to build here; TFDS and other tokenizers' rows are checked when the run builds
         # them. A built-in task's lengths were checked against its own bounds above.
+        from sat_jax.data import build_sources
         from sat_jax.data.tokenizer import CharTokenizer
-        from sat_jax.rl.components import build_sources
 
-        train_src, eval_src, task = build_sources(config)
+        train_src, eval_src, task = build_sources(d)
         if d.source == "task":
             _check_batch_rows(config, train_src)
         else:

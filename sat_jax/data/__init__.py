@@ -1,5 +1,6 @@
 """Data layer: tokenizers (built-in characters, Hugging Face, the Qwen chat format), built-in
-tasks, prompt sources, a resumable iterator, math answer verification and evaluation metrics.
+tasks, prompt sources and building a run's sources from its settings, a resumable iterator, math
+answer verification and evaluation metrics.
 
 tensorflow-datasets is imported only when a `TfdsSource` is built.
 """
@@ -19,6 +20,7 @@ from sat_jax.data.prompt_sources import (
     PromptSource,
     TaskSource,
     TfdsSource,
+    build_sources,
     check_prompts,
 )
 from sat_jax.data.tasks import (
@@ -75,6 +77,7 @@ __all__ = [
     "Tokenizer",
     "TfdsSource",
     "avg_at_k",
+    "build_sources",
     "check_prompts",
     "evaluate",
     "extract_answer",

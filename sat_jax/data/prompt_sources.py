@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from sat_jax.data.math_verify import math_reward_fn
-from sat_jax.data.tasks import Example, Task
+from sat_jax.data.tasks import Example, Task, task_from_config
 
 RewardFn = Callable[[str, Example], float]
 
@@ -378,3 +378,29 @@ def _encode(tokenizer, texts: list[str], extra: dict[str, Any]):
     if extra:  # targets: EOS appended, no BOS
         return tokenizer.batch_encode(texts, pad_to=None, add_bos=False, **extra)
     return tokenizer.batch_encode(texts, pad_to=None)
+
+
+def build_sources(data) -> tuple[PromptSource, PromptSource, Task | None]:
+    """(train source, held-out source, task or None) from a run's ``data`` settings
+    (``config.data``: ``source`` and the fields that source reads)."""
+    d = data
+    if d.source == "task":
+        task = task_from_config(d)
+        return TaskSource(task, "train"), TaskSource(task, "eval"), task
+    if d.source == "jsonl":
+
+        def jsonl(path):
+            return JsonlSource(
+                os.path.expanduser(path), prompt_field=d.prompt_field, answer_field=d.answer_field
+            )
+
+        src = jsonl(d.path)
+        return src, jsonl(d.eval_path) if d.eval_path else src, None
+    kwargs = dict(
+        data_dir=d.tfds_data_dir or None, prompt_field=d.prompt_field, answer_field=d.answer_field
+    )
+    return (
+        TfdsSource(d.tfds_name, split=d.split, **kwargs),
+        TfdsSource(d.tfds_name, split=d.eval_split, **kwargs),
+        None,
+    )

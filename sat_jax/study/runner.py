@@ -130,7 +130,7 @@ def run_all(
     seconds of this call, "run_seconds": {name: seconds}}``.
     """
     if train is None:
-        from sat_jax.rl import learner
+        from sat_jax.train import learner
 
         def train(config):
             return learner.train(config, quiet=True)

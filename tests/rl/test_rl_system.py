@@ -18,10 +18,11 @@ import pytest
 
 from sat_jax import config as config_lib
 from sat_jax import parallel
-from sat_jax.rl import lag_stats, learner, sft, trainer
+from sat_jax.rl import lag_stats, sft, trainer
 from sat_jax.rl.stream import StreamRollouts
 from sat_jax.run.metrics import read_metrics
 from sat_jax.sampling import SamplingParams
+from sat_jax.train import learner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 METHOD_CONFIGS = sorted(

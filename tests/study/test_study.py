@@ -17,9 +17,9 @@ from _study_cli import invoke
 from sat_jax import cli
 from sat_jax import config as config_lib
 from sat_jax.config import presets
-from sat_jax.rl import components
 from sat_jax.study import grid as study_grid
 from sat_jax.study import report, runner, stats
+from sat_jax.train import components
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

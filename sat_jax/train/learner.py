@@ -6,8 +6,8 @@
 The loop (:func:`train`) only reads the next batch, steps, publishes the new version and runs the
 hooks; which version samples which batch and which versions stay in memory is the rollout
 source's business (``sat_jax.rl.rollout_sources``), building the components is
-``sat_jax.rl.components``,
-stop signals, the non-finite-update guard and timers are ``sat_jax.rl.controls``.
+``sat_jax.train.components``,
+stop signals, the non-finite-update guard and timers are ``sat_jax.train.controls``.
 
 Safety: one process trains in a workdir at a time (``sat_jax.run.lock``); SIGINT and SIGTERM
 save a checkpoint and stop, on every host after the same step; an update with a non-finite loss
@@ -39,8 +39,6 @@ from sat_jax import parallel
 from sat_jax.config.validation import changed_fields, loss_spec, plain, validate
 from sat_jax.data import PromptIterator
 from sat_jax.rl import rng, trainer
-from sat_jax.rl.components import Components, build, build_sources, shared_train_step
-from sat_jax.rl.controls import NonFiniteError, NonFiniteGuard, StopFlag, Timer
 from sat_jax.rl.lag import LagSchedule, lag_stats
 from sat_jax.rl.rollout import batch_stats, evaluate
 from sat_jax.rl.rollout_sources import Rollout, RolloutSource, ScheduledRollouts
@@ -52,6 +50,8 @@ from sat_jax.run.metrics import RunLogger
 from sat_jax.run.plots import plot_run
 from sat_jax.run.progress import Progress
 from sat_jax.run.workdir import WorkdirNotShared
+from sat_jax.train.components import Components, build, shared_train_step
+from sat_jax.train.controls import NonFiniteError, NonFiniteGuard, StopFlag, Timer
 
 __all__ = [
     "Components",
@@ -60,7 +60,6 @@ __all__ = [
     "WorkdirLocked",
     "WorkdirNotShared",
     "build",
-    "build_sources",
     "evaluate_run",
     "loss_spec",
     "make_source",
