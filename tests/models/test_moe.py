@@ -3,6 +3,7 @@ function: a hand-computed example, then values and gradients against dense on ra
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,8 +159,8 @@ def test_bfloat16_close_to_dense():
     want = expert_ffn(x, idx, w, gp, up, dp, impl="dense")
     for impl in ("ragged", "blocked"):
         y = expert_ffn(x, idx, w, gp, up, dp, impl=impl)
-        assert y.dtype == jnp.bfloat16
-        np.testing.assert_allclose(
+        chex.assert_type(y, jnp.bfloat16)
+        chex.assert_trees_all_close(
             np.asarray(y, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2
         )
 
