@@ -85,9 +85,8 @@ def test_replayed_gates_pass_gradients_to_router_logits():
     w = jnp.array([1.0, 2.0, 3.0, 4.0])
     grad = jax.grad(lambda z_: jnp.sum(routing_gates(z_, idx, norm_topk_prob=True) * w))(z)
     assert float(jnp.abs(grad[0])) > 0 and float(jnp.abs(grad[1])) > 0
-    chex.assert_trees_all_close(
-        grad[2:], 0.0, rtol=1e-7
-    )  # experts outside I get no gate and no gradient
+    # Experts outside I get no gate and no gradient.
+    chex.assert_trees_all_close(grad[2:], 0.0, rtol=1e-7)
 
 
 def test_load_balancing_loss_hand_example():

@@ -143,11 +143,7 @@ def test_sharded_step_equals_single_device_and_splits_memory(name, model, batch,
         np.testing.assert_allclose(
             metrics[k], v, rtol=2e-3 if k in SENSITIVE else 2e-5, atol=1e-7, err_msg=k
         )
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
-        jax.device_get(new_state.params),
-        want_params,
-    )
+    chex.assert_trees_all_close(jax.device_get(new_state.params), want_params, rtol=2e-5, atol=1e-7)
     # The momentum trace is the gradient: sharded contractions sum in another order, so compare
     # relative to each gradient's scale (float32 rounding, ~1e-7 of it).
     jax.tree.map(
@@ -205,10 +201,11 @@ def test_shared_prompt_step_equals_plain_step(model):
         np.testing.assert_allclose(
             metrics[k], v, rtol=2e-3 if k in SENSITIVE else 2e-5, atol=1e-7, err_msg=k
         )
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
+    chex.assert_trees_all_close(
         jax.device_get(new_state.params),
         jax.device_get(want_state.params),
+        rtol=2e-5,
+        atol=1e-7,
     )
 
     # One prompt token of row 3 changed: group 1 no longer shares, so the plain program runs.
