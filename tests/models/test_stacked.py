@@ -95,7 +95,7 @@ def test_dense_expert_ffn_hand_example():
     weights = jnp.array([[0.25], [1.0]])
     y = expert_ffn(x, indices, weights, gate, up, down, impl="dense")
     silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
-    want = [0.25 * 0.5 * silu(1.0) * 2.0, 1.0 * 1.0 * silu(-2.0) * 6.0]
+    want = np.array([0.25 * 0.5 * silu(1.0) * 2.0, 1.0 * 1.0 * silu(-2.0) * 6.0])
     chex.assert_trees_all_close(np.asarray(y)[:, 0], want, rtol=1e-6)
     with pytest.raises(ValueError, match="impl"):
         expert_ffn(x, indices, weights, gate, up, down, impl="sparse")
