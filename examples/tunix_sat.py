@@ -1,7 +1,7 @@
 """SAT inside tunix: tunix's own GRPO learner, with ``policy_loss_fn="sat"``.
 
 Needs google-tunix (``pip install "sat-jax[tunix]"``, in an environment without the ``hf`` extra;
-``make test-tunix`` builds one). Runs on CPU in about a minute:
+``make test-tunix`` builds one). Runs on CPU:
 
     python examples/tunix_sat.py --steps 4 --num-iterations 2
 
@@ -30,6 +30,7 @@ import sat_jax.integrations.tunix  # noqa: F401  (registers "sat", "sat_gspo", .
 
 PROMPTS = ["input string", "hello world", "My name", "hello there"]
 TARGET = "Tunix"
+SAT_METRICS = ("sat/q", "sat/binding_rate")
 
 
 def reward(prompts, completions, **kwargs):
@@ -84,6 +85,11 @@ def build(
     learner = grpo_learner.GRPOLearner(
         rl_cluster=cluster, algo_config=algo_config, reward_fns=reward
     )
+    if policy_loss_fn in ("sat", "sat_gspo"):
+        # tunix logs only the aux entries it is told to: add SAT's quantile and binding rate.
+        learner.rl_cluster.actor_trainer.with_rl_metrics_to_log(
+            {name: np.mean for name in ("kl", "pg_clipfrac", *SAT_METRICS)}
+        )
     rng = np.random.default_rng(seed)
     data = [{"prompts": rng.choice(PROMPTS, size=batch_size)} for _ in range(steps)]
     return learner, data
@@ -98,8 +104,11 @@ def main(argv=None) -> None:
     learner, data = build(args.loss, num_iterations=args.num_iterations, steps=args.steps)
     learner.train(data)
     history = learner.rl_cluster.actor_trainer.metrics_logger
-    losses = history.get_metric_history("actor", "loss", "train")
-    print(f"{args.loss}: {len(losses)} updates, loss per update {np.round(losses, 4).tolist()}")
+    logged = ("loss", *SAT_METRICS) if args.loss in ("sat", "sat_gspo") else ("loss",)
+    print(f"{args.loss}, {args.steps} batches x {args.num_iterations} updates:")
+    for name in logged:
+        values = history.get_metric_history("actor", name, "train")
+        print(f"  {name:18s} {np.round(values, 4).tolist()}")
 
 
 if __name__ == "__main__":
