@@ -205,17 +205,17 @@ def math_reward(
         integer (an integer reference is matched exactly).
       grader: the `Grader` that runs math-verify (default: this process's shared one).
     """
+    if isinstance(reference, bool) or not isinstance(reference, int | float | str):
+        raise TypeError(f"reference must be a number or a string, got {type(reference).__name__}")
     predicted = extract_answer(completion)
     if predicted is None:
         return 0.0
-    if isinstance(reference, bool):
-        raise TypeError("reference must be a number or a string, got bool")
     if isinstance(reference, int | float):
         if not math.isfinite(reference):
             raise ValueError(f"reference must be a finite number, got {reference!r}")
         ref_values = [Fraction(reference)]
         ref_text = repr(reference)
-    elif isinstance(reference, str):
+    else:
         ref_values = _number_candidates(reference)
         if not ref_values:
             # A worked solution as the reference ("... #### 72"): take its marked final answer.
@@ -224,8 +224,6 @@ def math_reward(
                 reference = extracted
                 ref_values = _number_candidates(reference)
         ref_text = reference
-    else:
-        raise TypeError(f"reference must be a number or a string, got {type(reference).__name__}")
     pred_values = _number_candidates(predicted)
     if pred_values and ref_values:
         # A percent sign on either side allows the face value or the fraction.
