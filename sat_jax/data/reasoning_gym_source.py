@@ -96,7 +96,9 @@ def check_reasoning_gym(
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"{what} must be an int >= 1, got {size!r}")
     if answer_format not in ANSWER_FORMATS:
-        raise ValueError(f"data.rg.answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
+        raise ValueError(
+            f"data.rg.answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}"
+        )
     rg = _import_rg()
     from reasoning_gym.factory import DATASETS
 
@@ -131,7 +133,9 @@ def check_reasoning_gym(
         try:
             rg.create_dataset(name, seed=0, size=1, **config)
         except (AssertionError, ValueError, TypeError) as e:
-            raise ValueError(f"data.rg.config.{name}={config!r} is rejected by {name}: {e}") from None
+            raise ValueError(
+                f"data.rg.config.{name}={config!r} is rejected by {name}: {e}"
+            ) from None
         out.append((name, weight, config))
     return out
 
@@ -153,7 +157,9 @@ class _Generators:
         self.answer_format = answer_format
         # Items are indexed up to 2 * max_size * RETRIES; some generators precompute per index.
         size = 2 * max_size * RETRIES + 2
-        self.datasets = {n: rg.create_dataset(n, seed=self.seed, size=size, **c) for n, _, c in entries}
+        self.datasets = {
+            n: rg.create_dataset(n, seed=self.seed, size=size, **c) for n, _, c in entries
+        }
 
     def example(self, split: int, i: int) -> Example:
         pick = random.Random(f"{self.seed}:{split}:{i}")
@@ -165,9 +171,9 @@ class _Generators:
                 break
         else:
             raise ValueError(
-                f"reasoning-gym generator {name!r} (config {self.configs[name]!r}) drew no question "
-                f"for the {('train', 'held-out')[split]} split in {RETRIES} tries: its space is too "
-                "small for two disjoint splits; widen its config"
+                f"reasoning-gym generator {name!r} (config {self.configs[name]!r}) drew no "
+                f"question for the {('train', 'held-out')[split]} split in {RETRIES} tries: its "
+                "space is too small for two disjoint splits; widen its config"
             )
         answer = str(entry["answer"])
         tags = self.answer_format == "tags"
@@ -222,7 +228,9 @@ class ReasoningGymSource(PromptSource):
         if not answer or not grader.fits(answer):
             return 0.0
         name = example["dataset"]
-        ok, score = grader.call("reasoning_gym", name, self._gen.configs[name], answer, example["entry"])
+        ok, score = grader.call(
+            "reasoning_gym", name, self._gen.configs[name], answer, example["entry"]
+        )
         if not ok:
             return 0.0
         score = min(max(float(score), 0.0), 1.0)
@@ -245,7 +253,9 @@ class ReasoningGymTask(Task):
         conditioned on differing from the original."""
         digits = [k for k, ch in enumerate(target) if ch.isdigit()]
         if not digits:
-            raise ValueError(f"target {target!r} has no digits to corrupt (set sft.corrupt_share=0)")
+            raise ValueError(
+                f"target {target!r} has no digits to corrupt (set sft.corrupt_share=0)"
+            )
         while True:
             chars = list(target)
             for k, d in zip(digits, rng.integers(0, 10, size=len(digits)), strict=True):
@@ -285,6 +295,13 @@ def reasoning_gym_splits(
     )
 
 
+def check_data_config(data_config) -> None:
+    """`check_reasoning_gym` on a run's ``data`` config (what the config validation calls)."""
+    rg = data_config.rg
+    config = rg.config.to_dict() if hasattr(rg.config, "to_dict") else rg.config
+    check_reasoning_gym(rg.datasets, config, rg.train_size, data_config.eval_size, rg.answer_format)
+
+
 def reasoning_gym_sources(data_config) -> tuple[ReasoningGymSource, ReasoningGymSource, Task]:
     """``build_sources``'s triple for ``data.source="reasoning_gym"`` from a run's ``data``
     config: (train source, held-out source, the splits as a task for the warm-up)."""
@@ -304,6 +321,7 @@ def reasoning_gym_sources(data_config) -> tuple[ReasoningGymSource, ReasoningGym
 __all__ = [
     "ReasoningGymSource",
     "ReasoningGymTask",
+    "check_data_config",
     "check_reasoning_gym",
     "parse_datasets",
     "reasoning_gym_sources",
