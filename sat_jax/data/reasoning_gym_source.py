@@ -302,9 +302,11 @@ def check_data_config(data_config) -> None:
     check_reasoning_gym(rg.datasets, config, rg.train_size, data_config.eval_size, rg.answer_format)
 
 
-def reasoning_gym_sources(data_config) -> tuple[ReasoningGymSource, ReasoningGymSource, Task]:
+def reasoning_gym_sources(data_config):
     """``build_sources``'s triple for ``data.source="reasoning_gym"`` from a run's ``data``
-    config: (train source, held-out source, the splits as a task for the warm-up)."""
+    config: (train source, held-out source, task). The task (the splits as a `Task`, whose
+    targets a supervised warm-up reads) is given with the character tokenizer only, the one
+    the warm-up encodes with; otherwise it is None and no warm-up runs."""
     rg = data_config.rg
     train, held_out = reasoning_gym_splits(
         rg.datasets,
@@ -315,7 +317,8 @@ def reasoning_gym_sources(data_config) -> tuple[ReasoningGymSource, ReasoningGym
         partial_credit=rg.partial_credit,
         answer_format=rg.answer_format,
     )
-    return train, held_out, ReasoningGymTask(train, held_out)
+    task = ReasoningGymTask(train, held_out) if data_config.tokenizer == "char" else None
+    return train, held_out, task
 
 
 __all__ = [

@@ -134,3 +134,16 @@ def test_bad_arguments_are_one_clear_error(kwargs, match):
 def test_parse_datasets():
     assert parse_datasets("a") == [("a", 1.0)]
     assert parse_datasets("a:2, b") == [("a", 2.0), ("b", 1.0)]
+
+
+def test_sources_from_a_run_config():
+    from sat_jax import config as config_lib
+    from sat_jax.data.reasoning_gym_source import reasoning_gym_sources
+
+    c = config_lib.get_config()
+    c.data.rg.datasets, c.data.rg.train_size, c.data.eval_size = "chain_sum", 6, 3
+    c.data.rg.config.chain_sum = {"max_terms": 2, "max_digits": 1}
+    train, held_out, task = reasoning_gym_sources(c.data)
+    assert (len(train), len(held_out)) == (6, 3) and isinstance(task, ReasoningGymTask)
+    c.data.tokenizer = "/some/hf/tokenizer"  # the warm-up encodes with the char tokenizer only
+    assert reasoning_gym_sources(c.data)[2] is None
