@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import math
 import os
 
@@ -14,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _tiny_models import train_bpe_tokenizer
 
 pytest.importorskip("reasoning_gym", reason="needs reasoning-gym (sat_jax[tasks])")
 pytest.importorskip("tokenizers", reason="needs the tokenizers package (sat_jax[hf])")
@@ -92,32 +92,6 @@ def test_qwen3_countdown_fits_a_v6e8_chip():
     assert total < chip["hbm_gib"] * GIB, (persistent / GIB, scratch / GIB, residuals / GIB)
 
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def _local_tokenizer(path, texts) -> str:
-    """A byte-level BPE tokenizer trained here on ``texts``, with the chat format's tokens: the
-    generated prompts' fixed wording becomes a few tokens, so the tiny runs' prompts are short."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        texts,
-        trainers.BpeTrainer(
-            vocab_size=1024,
-            special_tokens=SPECIAL,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}, f)
-    return path
-
-
 @pytest.mark.parametrize(
     "name, mesh",
     [("qwen3_countdown", None), ("qwen3_30b_a3b_math", {"fsdp": 2, "expert": 4})],
@@ -132,7 +106,8 @@ def test_config_runs_a_few_steps_with_a_tiny_random_model(name, mesh, tmp_path):
     train, held_out, _ = reasoning_gym_sources(c.data)
     texts = [user_prompt(ex["prompt"]) + ex["target"] for ex in (*train, *held_out)]
     os.makedirs(tmp_path / "tokenizer")
-    c.data.tokenizer = _local_tokenizer(str(tmp_path / "tokenizer"), texts * 4)
+    # the generated prompts' fixed wording becomes a few tokens: short prompts for the tiny runs
+    c.data.tokenizer = train_bpe_tokenizer(tmp_path / "tokenizer", texts * 4, vocab_size=1024)
     # The tiny random policy of the defaults instead of the checkpoint; the rest of the file as is.
     defaults = config_lib.get_config().model
     for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
