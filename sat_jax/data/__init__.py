@@ -1,6 +1,7 @@
 """Data layer: tokenizers (built-in characters, Hugging Face, the Qwen chat format), built-in
-tasks, prompt sources (JSONL, TFDS, reasoning-gym), a resumable iterator, answer grading with a
-deadline (our numbers, math-verify) and evaluation metrics.
+tasks, prompt sources (JSONL, TFDS, reasoning-gym) and building a run's sources from its
+settings, a resumable iterator, answer grading with a deadline (our numbers, math-verify) and
+evaluation metrics.
 
 tensorflow-datasets and reasoning-gym are imported only when their source is built.
 """
@@ -21,6 +22,7 @@ from sat_jax.data.prompt_sources import (
     PromptSource,
     TaskSource,
     TfdsSource,
+    build_sources,
     check_prompts,
 )
 from sat_jax.data.reasoning_gym_source import (
@@ -85,6 +87,7 @@ __all__ = [
     "Tokenizer",
     "TfdsSource",
     "avg_at_k",
+    "build_sources",
     "check_prompts",
     "evaluate",
     "extract_answer",

@@ -1,4 +1,4 @@
-"""A Hugging Face-format checkpoint and tokenizer run through `sat_jax.rl.learner` (chat prompts
+"""A Hugging Face-format checkpoint and tokenizer run through `sat_jax.train.learner` (chat prompts
 from JSONL, numeric verifier), with no network and no torch: the checkpoint is written by
 `sat_jax.models.save_hf`."""
 
@@ -14,7 +14,7 @@ pytest.importorskip("safetensors", reason="needs the safetensors package (sat_ja
 
 from sat_jax import config as config_lib  # noqa: E402
 from sat_jax.models import ModelConfig, init_model, save_hf  # noqa: E402
-from sat_jax.rl import learner  # noqa: E402
+from sat_jax.train import learner  # noqa: E402
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ["What is 12 + 35? The answer is 47.", "user assistant system", "0123456789+-=?"] * 8
