@@ -23,8 +23,8 @@ from sat_jax import parallel  # noqa: E402
 from sat_jax.config.validation import loss_spec  # noqa: E402
 from sat_jax.models import config_from_hf, graphdef_for  # noqa: E402
 from sat_jax.rl import trainer  # noqa: E402
-from sat_jax.train import learner  # noqa: E402
 from sat_jax.rl.batch import RolloutBatch  # noqa: E402
+from sat_jax.train import learner  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 GIB = 2**30
