@@ -127,7 +127,7 @@ def test_config_runs_a_few_steps_with_a_tiny_random_model(name, mesh, tmp_path):
         config_lib.validate(c, num_devices=jax.device_count())
     except config_lib.ConfigError as e:
         if "task|jsonl|tfds," in str(e):
-            pytest.skip("data.source=reasoning_gym is not registered in build_sources yet")
+            pytest.skip("config validation does not accept data.source=reasoning_gym yet")
         raise
     summary = learner.train(c, quiet=True)
     assert summary["end_step"] == 2
