@@ -11,7 +11,7 @@ prompts generated rather than read from a JSONL, so it starts with the checkpoin
 The slice: v6e-64 (16 hosts of 4 chips, 32 GiB each), mesh fsdp 16 × expert 4, as
 ``docs/scaling.md``'s table sizes it (10.9 GiB a chip of state with the stale copy and the KL
 reference); ``benchmarks/scale.py`` (its default mesh is this one) compiles this model's step
-there.
+there; ``tests/data/test_task_configs.py`` computes the state bytes a chip on its mesh.
 Responses are capped at 4,096 tokens (the paper's 32k needs the larger meshes of that table);
 each step's 64 × 16 responses train in 8 updates of 8 rows a shard.
 

@@ -93,6 +93,32 @@ def test_qwen3_countdown_fits_a_v6e8_chip():
     assert total < chip["hbm_gib"] * GIB, (persistent / GIB, scratch / GIB, residuals / GIB)
 
 
+def test_qwen3_30b_a3b_math_state_fits_a_v6e64_chip():
+    """The full model's state a chip on the config's 64-device mesh (an abstract mesh: shardings
+    only), with the stale copy and the KL reference, plus an estimate of the activations of one
+    update (a bf16 [tokens, d] residual per block, and six fp32 [rows, chunk, vocab] buffers of
+    the chunked LM head). The compiled step on this mesh is ``benchmarks/scale.py``'s."""
+    module = _load("qwen3_30b_a3b_math")
+    c, chip = module.get_config(), module.SLICE
+    sizes = (c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.tensor)
+    assert math.prod(sizes) == chip["chips"]
+    mesh = jax.sharding.AbstractMesh(
+        sizes, parallel.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4
+    )
+    full = dataclasses.replace(config_from_hf(dict(c.hf_config_reference)), dtype=jnp.bfloat16)
+    optimizer = trainer.make_optimizer(c.optim.learning_rate, b1=c.optim.b1, b2=c.optim.b2)
+    state = trainer.abstract_train_state(full, optimizer, mesh)
+    params = _device_bytes(state.params)
+    persistent = _device_bytes(state) + 3 * params  # + gradients, stale copy, KL reference
+    assert 10 * GIB < persistent < 12 * GIB  # docs/scaling.md's table: 10.9 GiB
+    rows = c.rollout.prompts_per_step * c.rollout.group_size // c.optim.num_minibatches
+    rows //= c.mesh.data * c.mesh.fsdp
+    tokens = rows * (c.data.max_prompt_len + c.data.max_new_tokens)
+    residuals = full.num_layers * tokens * full.hidden_size * 2
+    head = 6 * rows * c.loss.logprob_chunk * full.vocab_size * 4
+    assert persistent + residuals + head < chip["hbm_gib"] * GIB
+
+
 @pytest.mark.parametrize(
     "name, mesh",
     [("qwen3_countdown", None), ("qwen3_30b_a3b_math", {"fsdp": 2, "expert": 4})],
