@@ -14,6 +14,7 @@ One `Grader` serves a process (`default_grader`); calls from several threads tak
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import select
@@ -22,6 +23,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_grading_worker.py")
 
@@ -39,7 +42,7 @@ class Grader:
       errors: calls whose scorer raised (each such answer scores 0).
     """
 
-    def __init__(self, deadline: float = 5.0, max_chars: int = 1000, startup_timeout: float = 120):
+    def __init__(self, deadline: float = 2.0, max_chars: int = 1000, startup_timeout: float = 120):
         if not deadline > 0:
             raise ValueError(f"deadline must be > 0 seconds, got {deadline!r}")
         if max_chars < 1:
@@ -114,12 +117,16 @@ class Grader:
                 return False, "the grading worker exited"
             message = self._receive(time.monotonic() + self.deadline)
             if message is None:
+                if not self.timeouts:
+                    log.warning("grading %s ran past %ss: the answer scores 0", kind, self.deadline)
                 self.timeouts += 1
                 self._kill()
                 self._start()
                 return False, f"timed out after {self.deadline}s"
             status, value = message
             if status != "ok":
+                if not self.errors:  # a scorer that fails on every answer must not look like 0s
+                    log.warning("grading %s failed (the answer scores 0): %s", kind, value)
                 self.errors += 1
                 if self._proc.poll() is not None:
                     self._kill()
