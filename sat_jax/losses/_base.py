@@ -86,14 +86,18 @@ def check_float(name: str, x: Any, shape: tuple[int, ...] | None = None, rank: i
     if rank is not None:
         _checks.check_rank(name, x, rank)
     if shape is not None:
-        _checks.check_shape(name, x, shape)
+        _check_shape(name, x, shape)
     return x.astype(jnp.float32)
+
+
+def _check_shape(name: str, x: Array, shape: tuple[int, ...]) -> None:
+    _checks.check_shape(name, x, shape)
 
 
 def check_mask(mask: Any, shape: tuple[int, ...], name: str = "mask") -> Array:
     """Returns a bool mask of ``shape``; accepts bool or 0/1 numeric masks."""
     mask = _as_array(name, mask)
-    _checks.check_shape(name, mask, shape)
+    _check_shape(name, mask, shape)
     if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.number)):
         raise TypeError(f"`{name}` must be bool or 0/1 numeric, got {mask.dtype}.")
     return mask if mask.dtype == jnp.bool_ else mask != 0
