@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sat_jax.losses import _base
 from sat_jax.losses.diagnostics import _mismatch_from_log_ratio, clip_split
@@ -61,8 +62,10 @@ def _check_clip(eps_low, eps_high, dual_clip=None):
 
 
 def _check_sat(alpha, hill_exponent, kernel):
-    if not isinstance(alpha, (int, float)):
-        raise TypeError(f"`alpha` must be a Python float (it fixes a rank), got {alpha!r}.")
+    if isinstance(alpha, (bool, np.bool_)) or not isinstance(alpha, (int, float, np.number)):
+        raise TypeError(
+            f"`alpha` must be a Python or NumPy float (it fixes a rank), got {alpha!r}."
+        )
     _base.check_hparam("alpha", alpha, low=0.0, high=1.0, low_open=True)
     _base.check_hparam("hill_exponent", hill_exponent, low=0.0, low_open=True)
     if kernel is not None and not callable(kernel):
