@@ -29,12 +29,17 @@ from sat_jax.losses.objectives import (
 )
 from sat_jax.losses.quantile import quantile
 from sat_jax.losses.registry import get, names, register
+from sat_jax.losses.stabilizers import age_clip, age_clip_gspo, bapo, bapo_gspo, m2po, m2po_gspo
 
 __all__ = [
     "AGGREGATIONS",
     "LOG_RATIO_CLAMP",
     "LossOutput",
+    "age_clip",
+    "age_clip_gspo",
     "aggregate",
+    "bapo",
+    "bapo_gspo",
     "bernoulli_kl",
     "clip_split",
     "dppo",
@@ -46,6 +51,8 @@ __all__ = [
     "icepop",
     "kpop",
     "low_var_kl",
+    "m2po",
+    "m2po_gspo",
     "mismatch_decomposition",
     "mismatch_metrics",
     "mismatch_shape",
