@@ -101,8 +101,6 @@ def m2po(
     *,
     tau: float = 0.04,
     variant: str = "paper",
-    eps_low: float | None = None,
-    eps_high: float | None = None,
     aggregation: str = "token-mean",
     token_weights: ArrayLike | None = None,
     axis_name=None,
@@ -124,8 +122,6 @@ def m2po(
       variant: ``"paper"`` (any token may be dropped) or ``"trust_region"`` (only the tokens
         moving away from 1 in the advantage's direction, A > 0 with r > 1 or A < 0 with r < 1,
         may be dropped, as in the authors' verl code; the moment is still over all tokens).
-      eps_low, eps_high: None (M2PO's own unclipped r·A), or PPO's clip applied to the kept
-        tokens.
 
     Metrics: mismatch metrics, ``ratio_mean``, ``m2po/masked_frac`` (share of active tokens
     dropped), ``m2po/m2_before`` and ``m2po/m2_after`` (the second moment over all active and
@@ -140,15 +136,15 @@ def m2po(
       >>> round(float(out.loss), 4)   # −(1.0 + 1.1 + 0) / 3
       -0.7
     """
-    _check_m2po(tau, variant, eps_low, eps_high)
+    _check_m2po(tau, variant, None, None)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
     return _m2po(
         prep,
         _base.log_ratio(prep.logp, prep.behavior_logp),
         tau=tau,
         variant=variant,
-        eps_low=eps_low,
-        eps_high=eps_high,
+        eps_low=None,
+        eps_high=None,
         aggregation=aggregation,
         axis_name=axis_name,
     )
