@@ -5,7 +5,7 @@ Depends on jax, numpy and chex only. Every objective takes log-prob arrays (not 
 """
 
 from sat_jax.losses._base import AGGREGATIONS, LOG_RATIO_CLAMP, LossOutput, aggregate
-from sat_jax.losses.corrections import icepop, kpop, tis
+from sat_jax.losses.corrections import geo_rs, icepop, kpop, opsm, seq_mis, tis
 from sat_jax.losses.diagnostics import (
     clip_split,
     low_var_kl,
@@ -29,7 +29,17 @@ from sat_jax.losses.objectives import (
 )
 from sat_jax.losses.quantile import quantile
 from sat_jax.losses.registry import get, names, register
-from sat_jax.losses.stabilizers import age_clip, age_clip_gspo, bapo, bapo_gspo, m2po, m2po_gspo
+from sat_jax.losses.stabilizers import (
+    age_clip,
+    age_clip_gspo,
+    bapo,
+    bapo_gspo,
+    cispo,
+    decoupled_ppo,
+    m2po,
+    m2po_gspo,
+    sapo,
+)
 
 __all__ = [
     "AGGREGATIONS",
@@ -41,9 +51,12 @@ __all__ = [
     "bapo",
     "bapo_gspo",
     "bernoulli_kl",
+    "cispo",
+    "decoupled_ppo",
     "clip_split",
     "dppo",
     "drpo",
+    "geo_rs",
     "get",
     "gspo",
     "gspo_token",
@@ -57,11 +70,14 @@ __all__ = [
     "mismatch_metrics",
     "mismatch_shape",
     "names",
+    "opsm",
     "ppo",
     "quantile",
     "register",
+    "sapo",
     "sat",
     "sat_gspo",
+    "seq_mis",
     "seqclip",
     "spo",
     "tis",

@@ -43,20 +43,31 @@ _OBJECTIVES: dict[str, Callable] = {
     "bapo_gspo": stabilizers.bapo_gspo,
     "age_clip": stabilizers.age_clip,
     "age_clip_gspo": stabilizers.age_clip_gspo,
+    "cispo": stabilizers.cispo,
+    "sapo": stabilizers.sapo,
+    "decoupled_ppo": stabilizers.decoupled_ppo,
 }
 _CORRECTIONS: dict[str, Callable] = {
     "tis": corrections.tis,
     "icepop": corrections.icepop,
     "kpop": corrections.kpop,
+    "seq_mis": corrections.seq_mis,
+    "geo_rs": corrections.geo_rs,
 }
 # Which trainer log-prob a correction compares with the engine's: "old" (the behaviour version,
 # recomputed by the trainer) or "current" (the policy being trained, detached).
-_REFERENCE: dict[str, str] = {"tis": "old", "icepop": "old", "kpop": "current"}
+_REFERENCE: dict[str, str] = {
+    "tis": "old",
+    "icepop": "old",
+    "kpop": "current",
+    "seq_mis": "old",
+    "geo_rs": "old",
+}
 REFERENCES = ("old", "current")
 
 # Objective keywords that are inputs of the trainer, not hyper-parameters of a config.
 _NOT_HYPERPARAMETERS = frozenset(
-    {"aggregation", "token_weights", "axis_name", "kernel", "staleness"}
+    {"aggregation", "token_weights", "axis_name", "kernel", "staleness", "prox_logp"}
 )
 _REQUIRED = inspect.Parameter.empty
 

@@ -1,4 +1,5 @@
-"""The field's stabilizers beside SAT: M2PO, BAPO and the age-aware clip, token and GSPO forms.
+"""The field's stabilizers beside SAT: M2PO, BAPO and the age-aware clip (token and GSPO forms),
+CISPO, SAPO and decoupled PPO (with A-3PO).
 
 Each has the one signature of :mod:`sat_jax.losses.objectives`
 (``NAME(logp, behavior_logp, advantages, mask, *, ..., aggregation, token_weights, axis_name)``)
@@ -26,6 +27,7 @@ from sat_jax.losses.objectives import (
     _clip_objective,
     _per_token,
     _sequence_log_ratio,
+    _zero_with_unit_grad,
 )
 from sat_jax.losses.quantile import mean_bounded_keep
 
@@ -560,3 +562,200 @@ def age_clip_gspo(
     metrics = dict(out.metrics)
     metrics.update(_age_metrics(age, factor, eps_low, eps_high, prep.mask, axis_name))
     return out._replace(metrics=metrics)
+
+
+# ----------------------------------------------------------------------------------------------
+# CISPO, SAPO and decoupled PPO (A-3PO).
+# ----------------------------------------------------------------------------------------------
+
+
+def _policy_gradient(prep, weight, axis_name, aggregation, extra):
+    """S = sg(weight)·A·(1 + logp − sg(logp)): value weight·A, gradient weight·A·∇log π."""
+    lr = _base.log_ratio(prep.logp, prep.behavior_logp)
+    surrogate = weight * prep.advantages * (1.0 + _zero_with_unit_grad(prep.logp))
+    metrics = _mismatch_from_log_ratio(lr, prep.mask, axis_name)
+    r = jnp.exp(jax.lax.stop_gradient(lr))
+    metrics.update(_base.masked_means({"ratio_mean": r, **extra(r)}, prep.mask, axis_name))
+    return _base.finish(surrogate, prep, metrics, aggregation, axis_name)
+
+
+def cispo(
+    logp: ArrayLike,
+    behavior_logp: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    *,
+    cispo_eps_low: float = 1.0,
+    cispo_eps_high: float = 4.0,
+    aggregation: str = "token-mean",
+    token_weights: ArrayLike | None = None,
+    axis_name=None,
+) -> _base.LossOutput:
+    """CISPO: REINFORCE weighted by the clipped, detached importance ratio (every token learns).
+
+    MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
+    https://arxiv.org/abs/2506.13585 (§3.1)::
+
+        ŵ = sg(clip(r, 1 − ε_low, 1 + ε_high)),   ∇S = ŵ·A·∇log π
+
+    Unlike PPO's clip, a token past the bound keeps its gradient (with weight at the bound). The
+    value is ŵ·A (as :func:`~sat_jax.losses.tis_pg`'s); the paper writes ŵ·A·log π, the same
+    gradient. The hyper-parameters carry the method's name so that a run's global
+    ``loss.eps_low`` (PPO's 0.2) does not set them.
+
+    Args:
+      cispo_eps_low: ε_low in [0, 1]; 1 (default) means no lower bound.
+      cispo_eps_high: ε_high ≥ 0; 4 (default: ScaleRL's and SkyRL's [0, 5]; MiniMax published
+        none, verl reuses PPO's 0.2, NeMo-RL uses 5 for [0, 6]).
+
+    Metrics: mismatch metrics, ``ratio_mean``, ``cispo/clipped_frac``.
+
+    Example:
+      >>> out = cispo(jnp.log(jnp.array([[9.0, 0.5]])), jnp.zeros((1, 2)), jnp.array([1.0]),
+      ...             jnp.ones((1, 2), bool))
+      >>> float(out.loss)   # −(min(9, 5) + 0.5) / 2
+      -2.75
+    """
+    _base.check_hparam("cispo_eps_low", cispo_eps_low, low=0.0, high=1.0)
+    _base.check_hparam("cispo_eps_high", cispo_eps_high, low=0.0)
+    prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    lo, hi = 1.0 - cispo_eps_low, 1.0 + cispo_eps_high
+    r = jnp.exp(jax.lax.stop_gradient(_base.log_ratio(prep.logp, prep.behavior_logp)))
+    return _policy_gradient(
+        prep,
+        jnp.clip(r, lo, hi),
+        axis_name,
+        aggregation,
+        lambda r: {"cispo/clipped_frac": ((r < lo) | (r > hi)).astype(jnp.float32)},
+    )
+
+
+def sapo(
+    logp: ArrayLike,
+    behavior_logp: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    aggregation: str = "seq-mean-token-mean",
+    token_weights: ArrayLike | None = None,
+    axis_name=None,
+) -> _base.LossOutput:
+    """SAPO: a temperature-controlled sigmoid gate in place of the hard clip.
+
+    Gao et al. 2025, "Soft Adaptive Policy Optimization", https://arxiv.org/abs/2511.20347::
+
+        f(r) = (4/τ)·σ(τ·(r − 1)),   S = f(r)·A,   τ = τ_pos if A > 0 else τ_neg
+
+    f'(1) = 1, so near r = 1 the gradient is the policy gradient's; it decays smoothly as r leaves
+    1 (faster for larger τ), where PPO's would drop to zero at the edge. The aggregation default
+    is the paper's sequence mean of token means.
+
+    Args:
+      tau_pos, tau_neg: τ > 0 for positive and non-positive advantages (paper: 1.0 and 1.05).
+
+    Metrics: mismatch metrics, ``ratio_mean`` and ``sapo/gate_mean``, the mean of
+    f'(r)/f'(1) = 4σ(τ(r−1))(1 − σ(τ(r−1))), the share of the policy gradient kept.
+
+    Example:
+      >>> out = sapo(jnp.zeros((1, 1)), jnp.zeros((1, 1)), jnp.array([1.0]), jnp.ones((1, 1), bool))
+      >>> float(out.loss)   # −(4/1)·σ(0)·1
+      -2.0
+    """
+    _base.check_hparam("tau_pos", tau_pos, low=0.0, low_open=True)
+    _base.check_hparam("tau_neg", tau_neg, low=0.0, low_open=True)
+    prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    lr = _base.log_ratio(prep.logp, prep.behavior_logp)
+    r = jnp.exp(lr)
+    tau = jnp.where(prep.advantages > 0, tau_pos, tau_neg)
+    z = tau * (r - 1.0)
+    surrogate = (4.0 / tau) * jax.nn.sigmoid(z) * prep.advantages
+    s = jax.nn.sigmoid(jax.lax.stop_gradient(z))
+    metrics = _mismatch_from_log_ratio(lr, prep.mask, axis_name)
+    metrics.update(
+        _base.masked_means(
+            {"ratio_mean": jax.lax.stop_gradient(r), "sapo/gate_mean": 4.0 * s * (1.0 - s)},
+            prep.mask,
+            axis_name,
+        )
+    )
+    return _base.finish(surrogate, prep, metrics, aggregation, axis_name)
+
+
+def decoupled_ppo(
+    logp: ArrayLike,
+    behavior_logp: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    *,
+    prox_logp: ArrayLike | None = None,
+    staleness: ArrayLike | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    behav_weight_cap: float | None = None,
+    aggregation: str = "token-mean",
+    token_weights: ArrayLike | None = None,
+    axis_name=None,
+) -> _base.LossOutput:
+    """Decoupled PPO: the trust region around a proximal policy, importance-weighted to μ.
+
+    Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System for
+    Language Reasoning", https://arxiv.org/abs/2505.24298::
+
+        u = π_θ/π_prox,  w = min(π_prox/μ, cap) (detached),  S = w·min(u·A, clip(u, 1 ± ε)·A)
+
+    ``prox_logp`` is log π_prox, the policy before this update (AReaL recomputes it with one
+    more forward pass). Without it, **A-3PO** (Li et al. 2025, https://arxiv.org/abs/2512.06547)
+    interpolates from each token's staleness d (versions behind, ``staleness=``, which the
+    trainer fills): log π_prox = log μ + α·(sg log π_θ − log μ), α = 1 − 1/d for d > 1 and 0 for
+    d ≤ 1 (π_prox = μ, so the loss is PPO's). ``prox_logp`` wins when both are given.
+
+    Args:
+      prox_logp: ``[B, T]`` log π_prox, or None for A-3PO.
+      staleness: ``[B, T]`` integer versions behind (required for A-3PO).
+      behav_weight_cap: optional cap on w (AReaL's ``behav_imp_weight_cap``); None: none.
+
+    Metrics: those of :func:`~sat_jax.losses.ppo` (clip fractions on u) plus
+    ``decoupled/behav_weight_mean`` (mean w).
+
+    Example:
+      >>> lp = jnp.log(jnp.array([[1.5]]))
+      >>> out = decoupled_ppo(lp, jnp.zeros((1, 1)), jnp.array([1.0]), jnp.ones((1, 1), bool),
+      ...                     prox_logp=jnp.log(jnp.array([[1.25]])))
+      >>> round(float(out.loss), 4)   # −w·min(u, 1.2), w = 1.25, u = 1.2
+      -1.5
+    """
+    _check_clip(eps_low, eps_high)
+    if behav_weight_cap is not None:
+        _base.check_hparam("behav_weight_cap", behav_weight_cap, low=0.0, low_open=True)
+    if prox_logp is None and staleness is None:
+        raise ValueError(
+            "`prox_logp` or `staleness` is required (A-3PO interpolates the proximal policy "
+            "from each token's staleness)."
+        )
+    prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
+    if prox_logp is not None:
+        prox = _base.check_float("prox_logp", prox_logp, shape=prep.logp.shape)
+        prox = jnp.where(prep.mask, jax.lax.stop_gradient(prox), 0.0)
+    else:
+        d = _base.check_staleness(staleness, prep.mask).astype(jnp.float32)
+        alpha = jnp.where(d > 1.0, 1.0 - 1.0 / jnp.maximum(d, 1.0), 0.0)
+        beh = prep.behavior_logp
+        prox = beh + alpha * _base.log_ratio(jax.lax.stop_gradient(prep.logp), beh)
+    w = jnp.exp(_base.log_ratio(prox, prep.behavior_logp))
+    if behav_weight_cap is not None:
+        w = jnp.minimum(w, behav_weight_cap)
+    w = jnp.where(prep.mask, w, 0.0)
+    weighted = prep._replace(weights=w if prep.weights is None else w * prep.weights)
+    out = _clip_objective(
+        weighted,
+        _base.log_ratio(prep.logp, prox),
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=None,
+        aggregation=aggregation,
+        axis_name=axis_name,
+    )
+    extra = _base.masked_means({"decoupled/behav_weight_mean": w}, prep.mask, axis_name)
+    return out._replace(metrics={**out.metrics, **extra})

@@ -53,6 +53,9 @@ METHODS: dict[str, tuple[str, bool, str]] = {
     "bapo_gspo": ("bapo_gspo", False, "none"),
     "age_clip": ("age_clip", False, "none"),
     "age_clip_gspo": ("age_clip_gspo", False, "none"),
+    "cispo": ("cispo", False, "none"),
+    "sapo": ("sapo", False, "none"),
+    "decoupled_ppo": ("decoupled_ppo", False, "none"),
 }
 
 #: ε of the matched-step controls' uniformly tighter clip, ε_low = ε_high (the default run's is
@@ -76,6 +79,7 @@ METHOD_LOSS.update(
     {name: {"tau": 0.04} for name in ("m2po", "m2po_gspo")}
     | {name: {"rho_target": 0.4} for name in ("bapo", "bapo_gspo")}
     | {name: {"kappa": 0.5} for name in ("age_clip", "age_clip_gspo")}
+    | {"sapo": {"aggregation": "seq-mean-token-mean"}}  # the SAPO paper's
 )
 
 #: The paper's names of the methods (Table 1).
@@ -105,6 +109,9 @@ LABELS = {
     "bapo_gspo": "BAPO-GSPO",
     "age_clip": "Age-aware clip",
     "age_clip_gspo": "Age-aware clip (GSPO)",
+    "cispo": "CISPO",
+    "sapo": "SAPO",
+    "decoupled_ppo": "Decoupled PPO (A-3PO)",
 }
 
 # Fields the grid sets itself; a --set of one of them would be silently overwritten.

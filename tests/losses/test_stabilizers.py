@@ -18,7 +18,7 @@ from sat_jax.rl import trainer
 quantile_lib = importlib.import_module("sat_jax.losses.quantile")
 NDEV = 8
 B, T = 16, 6
-AGE = ("age_clip", "age_clip_gspo")
+AGE = ("age_clip", "age_clip_gspo", "decoupled_ppo")  # the objectives that take staleness=
 # name -> hyper-parameters that make the statistic bind on the test batch.
 OBJECTIVES = {
     "m2po": {"tau": 0.004},
@@ -39,6 +39,9 @@ OBJECTIVES = {
     },
     "age_clip": {"kappa": 1.0, "eps_low": 0.05, "eps_high": 0.05},
     "age_clip_gspo": {"kappa": 1.0, "eps_low": 0.01, "eps_high": 0.01, "seq_age": "max"},
+    "cispo": {"cispo_eps_low": 0.05, "cispo_eps_high": 0.05},
+    "sapo": {"tau_pos": 2.0},
+    "decoupled_ppo": {"eps_low": 0.05, "eps_high": 0.05, "behav_weight_cap": 1.1},
 }
 NAMES = tuple(OBJECTIVES)
 
@@ -124,6 +127,8 @@ def test_the_test_batch_makes_each_statistic_bind():
     assert 0 < float(m["m2po_gspo"]["m2po/masked_frac"]) < 0.5
     assert float(m["bapo"]["bapo/steps"]) > 0 and float(m["bapo_gspo"]["bapo/steps"]) > 0
     assert float(m["age_clip"]["age/eps_high_mean"]) < 0.05
+    assert float(m["cispo"]["cispo/clipped_frac"]) > 0
+    assert 0 < float(m["decoupled_ppo"]["clip_frac"]) < 0.5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,7 +139,9 @@ def test_the_test_batch_makes_each_statistic_bind():
 def _greedy_keep(m2, mask, candidates, tau):
     """Alg. 1 of M2PO, literally: drop the largest candidate M2 while the kept mean exceeds τ."""
     keep = mask.copy()
-    order = [i for i in np.argsort(-m2.ravel(), kind="stable") if candidates.flat[i] and mask.flat[i]]
+    order = [
+        i for i in np.argsort(-m2.ravel(), kind="stable") if candidates.flat[i] and mask.flat[i]
+    ]
     for i in order:
         if m2[keep].sum() <= tau * keep.sum():
             break
@@ -426,11 +433,115 @@ def test_hyperparameter_errors(name, kwargs, match):
         losses.registry.check(name, {**OBJECTIVES[name], **kwargs})
 
 
+# ----------------------------------------------------------------------------------------------
+# CISPO, SAPO, decoupled PPO / A-3PO and the sequence-level corrections.
+# ----------------------------------------------------------------------------------------------
+
+
+def test_cispo_gradient_is_the_clipped_weight_times_the_advantage():
+    """SkyRL/verl restate CISPO as −A·sg(clamp(r, 1 − ε_low, 1 + ε_high))·log π: its gradient
+    with respect to log π is −A·clamp(r), which ours must equal (the values differ by design)."""
+    r = np.array([[0.5, 0.9, 1.0, 1.3, 7.0]], np.float32)
+    adv = np.array([[1.0, -1.0, 2.0, 1.0, -0.5]], np.float32)
+    mask = np.ones_like(r, bool)
+    for lo, hi in ((1.0, 4.0), (0.2, 0.2)):
+        f = lambda x, lo=lo, hi=hi: losses.cispo(  # noqa: E731
+            x, np.zeros_like(r), adv, mask, cispo_eps_low=lo, cispo_eps_high=hi
+        )
+        w = np.clip(r, 1 - lo, 1 + hi)
+        np.testing.assert_allclose(f(np.log(r)).loss, -(w * adv).mean(), rtol=1e-6)
+        grad = jax.grad(lambda x, f=f: f(x).loss)(np.log(r))
+        np.testing.assert_allclose(grad, -(w * adv) / r.size, rtol=1e-6)
+
+
+def test_sapo_value_and_gradient():
+    r = np.array([[0.7, 1.0, 1.4]], np.float32)
+    adv = np.array([[1.0, -2.0, 1.0]], np.float32)
+    tau = np.where(adv > 0, 1.0, 1.05)
+    out = losses.sapo(np.log(r), np.zeros_like(r), adv, np.ones_like(r, bool))
+    sig = 1 / (1 + np.exp(-tau * (r - 1)))
+    np.testing.assert_allclose(out.loss, -np.mean(4 / tau * sig * adv), rtol=1e-6)
+    grad = jax.grad(lambda x: losses.sapo(x, np.zeros_like(r), adv, np.ones_like(r, bool)).loss)(
+        np.log(r)
+    )
+    # d/dlog r of (4/τ)σ(τ(r−1))A = 4σ(1−σ)·A·r; the gate is 1 at r = 1 (the policy gradient).
+    np.testing.assert_allclose(grad, -(4 * sig * (1 - sig) * adv * r) / 3, rtol=1e-5)
+    np.testing.assert_allclose(grad[0, 1], 2.0 / 3, rtol=1e-6)
+
+
+def test_decoupled_ppo_hand_and_a3po():
+    logp, beh, adv, mask, stale = _batch()
+    logp = np.where(mask, logp, 0.0)
+    ppo = jax.value_and_grad(lambda x: losses.ppo(x, beh, adv, mask).loss)(logp)
+    # A-3PO with every token at most one version behind: π_prox = μ, PPO bit for bit.
+    got = jax.value_and_grad(
+        lambda x: losses.decoupled_ppo(x, beh, adv, mask, staleness=np.ones_like(stale)).loss
+    )(logp)
+    chex.assert_trees_all_equal(got, ppo)
+    # d = 2: α = 1/2, log π_prox = log μ + (log π − log μ)/2, u = w = √r.
+    r = np.array([[1.44, 0.64]], np.float32)
+    a = np.array([[1.0, -1.0]], np.float32)
+    out = losses.decoupled_ppo(
+        np.log(r), np.zeros_like(r), a, np.ones_like(r, bool), staleness=np.full((1, 2), 2)
+    )
+    u = np.sqrt(r)
+    want = u * np.minimum(u * a, np.clip(u, 0.8, 1.2) * a)
+    np.testing.assert_allclose(out.loss, -want.mean(), rtol=1e-6)
+    # Given prox_logp (which wins over staleness), with a cap on w.
+    prox = np.log(np.array([[1.5, 0.5]], np.float32))
+    out = losses.decoupled_ppo(
+        np.log(r),
+        np.zeros_like(r),
+        a,
+        np.ones_like(r, bool),
+        prox_logp=prox,
+        staleness=np.full((1, 2), 2),
+        behav_weight_cap=1.2,
+    )
+    w, u = np.minimum(np.exp(prox), 1.2), r / np.exp(prox)
+    want = w * np.minimum(u * a, np.clip(u, 0.8, 1.2) * a)
+    np.testing.assert_allclose(out.loss, -want.mean(), rtol=1e-6)
+    with pytest.raises(ValueError, match="`prox_logp` or `staleness` is required"):
+        losses.decoupled_ppo(logp, beh, adv, mask)
+    with pytest.raises(ValueError, match="`prox_logp` must have shape"):
+        losses.decoupled_ppo(logp, beh, adv, mask, prox_logp=beh[:, :2])
+
+
+def test_sequence_corrections_hand():
+    old = np.log(np.array([[1.5, 1.2, 9.0], [3.0, 1.0, 1.0], [1.0, 1.0, 1.0]], np.float32))
+    beh = np.zeros_like(old)
+    mask = np.array([[1, 1, 0], [1, 1, 1], [0, 0, 0]], bool)  # the 9 is padding
+    w = losses.seq_mis(old, beh, mask)
+    np.testing.assert_allclose(w, [[1.8, 1.8, 0], [0, 0, 0], [0, 0, 0]], rtol=1e-6)
+    w = losses.seq_mis(old, beh, mask, cap=1.5, high=4.0)
+    np.testing.assert_allclose(w, [[1.5, 1.5, 0], [1.5, 1.5, 1.5], [0, 0, 0]], rtol=1e-6)
+    geo = losses.geo_rs(old, beh, mask, low=0.5, high=1.4)  # geometric means 1.342, 1.442
+    np.testing.assert_array_equal(geo, [[1, 1, 0], [0, 0, 0], [0, 0, 0]])
+    lp = np.log(np.array([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5], [0.9, 0.9, 0.9]], np.float32))
+    mask = np.ones_like(lp, bool)
+    w = losses.opsm(lp, np.zeros_like(lp), mask, np.array([-1.0, 1.0, -1.0]), delta=0.5)
+    # mean log(μ/π) = log 2 ≈ 0.69 > 0.5 drops the negative row 0 only; row 2 has 0.105.
+    np.testing.assert_array_equal(w, [[0, 0, 0], [1, 1, 1], [1, 1, 1]])
+    with pytest.raises(TypeError, match="delta"):
+        losses.opsm(lp, np.zeros_like(lp), mask, np.ones(3))
+    with pytest.raises(ValueError, match="`advantages` must have shape"):
+        losses.opsm(lp, np.zeros_like(lp), mask, np.ones(2), delta=0.1)
+    # Through the registry, as the trainer applies a correction.
+    np.testing.assert_array_equal(
+        losses.registry.correction_weights(
+            "geo_rs", logp=lp, old_logp=old, behavior_logp=beh, mask=mask, low=0.5, high=1.4
+        ),
+        losses.geo_rs(old, beh, mask, low=0.5, high=1.4),
+    )
+
+
 def test_registry_knows_the_stabilizers():
     assert set(NAMES) <= set(losses.names())
     assert losses.registry.takes_staleness("age_clip")
     assert not losses.registry.takes_staleness("m2po")
     assert "staleness" not in losses.registry.hyperparameters("age_clip")
+    assert "prox_logp" not in losses.registry.hyperparameters("decoupled_ppo")
+    assert {"seq_mis", "geo_rs"} <= set(losses.names("correction"))
     for name in NAMES:
         losses.registry.check(name, OBJECTIVES[name])
 
