@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from sat_jax.losses import _base
 from sat_jax.losses.objectives import bernoulli_kl
 
+ArrayLike = _base.ArrayLike
+
 
 def _inputs(name_a, a, name_b, b, mask):
     a, b = _base.check_logps(name_a, a, name_b, b)
@@ -101,7 +103,12 @@ def _sequence_log_ratio_sum(a, b, mask):
 
 
 def seq_mis(
-    old_logp, behavior_logp, mask, cap: float = 2.0, low: float = 0.5, high: float = 2.0
+    old_logp: ArrayLike,
+    behavior_logp: ArrayLike,
+    mask: ArrayLike,
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
 ) -> jax.Array:
     """Sequence importance weight min(Π_t ρ_t, C), zero outside [low, high]; ρ = μ̃/μ.
 
@@ -128,7 +135,13 @@ def seq_mis(
     return jnp.where(mask, w[:, None], 0.0)
 
 
-def geo_rs(old_logp, behavior_logp, mask, low: float = 0.999, high: float = 1.001) -> jax.Array:
+def geo_rs(
+    old_logp: ArrayLike,
+    behavior_logp: ArrayLike,
+    mask: ArrayLike,
+    low: float = 0.999,
+    high: float = 1.001,
+) -> jax.Array:
     """Geometric-mean rejection: 1 unless exp(mean_t log ρ_t) ∉ [low, high]; ρ = μ̃/μ.
 
     verl's ``rollout_rs="seq_mean_k1"`` band (its preset [0.999, 1.001]); bounds are compared in
@@ -151,7 +164,9 @@ def geo_rs(old_logp, behavior_logp, mask, low: float = 0.999, high: float = 1.00
     return jnp.where(mask & keep[:, None], 1.0, 0.0)
 
 
-def opsm(logp, behavior_logp, mask, advantages, delta: float) -> jax.Array:
+def opsm(
+    logp: ArrayLike, behavior_logp: ArrayLike, mask: ArrayLike, advantages: ArrayLike, delta: float
+) -> jax.Array:
     """Off-policy sequence mask: 0 for a response with Â < 0 and mean_t log(μ/π_θ) > δ, else 1.
 
     DeepSeek-AI 2025, "DeepSeek-V3.2", https://arxiv.org/abs/2512.02556: negative samples the

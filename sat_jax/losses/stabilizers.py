@@ -26,8 +26,8 @@ from sat_jax.losses.objectives import (
     _check_seq_cap,
     _clip_objective,
     _per_token,
+    _policy_gradient,
     _sequence_log_ratio,
-    _zero_with_unit_grad,
 )
 from sat_jax.losses.quantile import mean_bounded_keep
 
@@ -567,16 +567,6 @@ def age_clip_gspo(
 # ----------------------------------------------------------------------------------------------
 # CISPO, SAPO and decoupled PPO (A-3PO).
 # ----------------------------------------------------------------------------------------------
-
-
-def _policy_gradient(prep, weight, axis_name, aggregation, extra):
-    """S = sg(weight)·A·(1 + logp − sg(logp)): value weight·A, gradient weight·A·∇log π."""
-    lr = _base.log_ratio(prep.logp, prep.behavior_logp)
-    surrogate = weight * prep.advantages * (1.0 + _zero_with_unit_grad(prep.logp))
-    metrics = _mismatch_from_log_ratio(lr, prep.mask, axis_name)
-    r = jnp.exp(jax.lax.stop_gradient(lr))
-    metrics.update(_base.masked_means({"ratio_mean": r, **extra(r)}, prep.mask, axis_name))
-    return _base.finish(surrogate, prep, metrics, aggregation, axis_name)
 
 
 def cispo(
