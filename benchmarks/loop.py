@@ -53,8 +53,9 @@ import optax
 from sat_jax import config as config_lib
 from sat_jax import parallel
 from sat_jax.data import PromptIterator
-from sat_jax.rl import learner, trainer
-from sat_jax.rl.components import build
+from sat_jax.rl import trainer
+from sat_jax.train import learner
+from sat_jax.train.components import build
 
 WARMUP_STEPS = 5
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "tunix_grpo.py")

@@ -41,9 +41,9 @@ import numpy as np
 from sat_jax.config import validate
 from sat_jax.models import param_count, token_logprobs
 from sat_jax.models.moe import routing_flips
-from sat_jax.rl import components
 from sat_jax.rl.trainer import routing_flip_share
 from sat_jax.study.grid import apply_override
+from sat_jax.train import components
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

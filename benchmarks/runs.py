@@ -30,8 +30,9 @@ from _timing import median_seconds
 
 from sat_jax import config as config_lib
 from sat_jax import parallel
-from sat_jax.rl import learner, trainer
+from sat_jax.rl import trainer
 from sat_jax.sampling import SamplingParams
+from sat_jax.train import learner
 
 
 def _stack(trees):

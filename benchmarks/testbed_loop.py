@@ -33,8 +33,8 @@ import _results
 import jax
 import numpy as np
 
-from sat_jax.rl import learner
 from sat_jax.study.grid import method_config
+from sat_jax.train import learner
 
 WARMUP_STEPS = 5
 

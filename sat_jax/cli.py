@@ -280,7 +280,7 @@ def main(argv):
     if command == "config":
         return 0
 
-    from sat_jax.rl import learner
+    from sat_jax.train import learner
 
     if command == "eval":
         try:
@@ -336,9 +336,9 @@ def compare_grid(rest: list[str]) -> int:
     import jax
 
     from sat_jax.config.validation import ConfigError, validate
-    from sat_jax.rl import components, learner
     from sat_jax.study import grid as study_grid
     from sat_jax.study import report, runner
+    from sat_jax.train import components, learner
 
     if rest:
         return _fail(f"compare --grid takes no run directories, got {rest}")
@@ -417,6 +417,8 @@ def compare_grid(rest: list[str]) -> int:
             status = 1
     except runner.Interrupted:
         status = 130
+    except runner.MixedCodeError as e:
+        return _fail(str(e))
     except KeyboardInterrupt:  # outside the learner's loop (building, warm-up, compiling)
         print("interrupted: run the same command again to resume", file=sys.stderr)
         status = 130

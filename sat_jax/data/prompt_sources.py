@@ -2,15 +2,17 @@
 
 Every source is a `PromptSource`: ``len(source)``, ``source[i]`` (a dict with at least
 ``"prompt"`` and ``"answer"`` as str, plus ``"index"`` = i) and ``source.reward(completion,
-example)``. Iterating a source yields its examples in order. Three kinds:
+example)``. Iterating a source yields its examples in order. Four kinds:
 
 * `TaskSource`: one split of a built-in `Task` (exact-match reward of the task).
 * `JsonlSource`: a JSONL file of ``{"prompt": ..., "answer": ...}`` records.
 * `TfdsSource`: a TFDS dataset stored as ``array_record``, read without TensorFlow through
   ``tfds.data_source``. tensorflow-datasets is imported only when one is built.
+* `ReasoningGymSource` (``sat_jax.data.reasoning_gym_source``): one split of reasoning-gym
+  generators, scored by each generator's own scorer.
 
-File and TFDS sources score with `math_reward_fn` (numeric verification) unless given a
-``reward_fn``.
+File and TFDS sources score with `math_reward_fn` (marked answers only: numbers exactly,
+anything else by math-verify) unless given a ``reward_fn``.
 
 `check_prompts` encodes every prompt of any source as the rollout engine will and raises one
 error naming the row when one does not fit the prompt slots or the tokenizer, so bad data stops
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from sat_jax.data.math_verify import math_reward_fn
-from sat_jax.data.tasks import Example, Task
+from sat_jax.data.tasks import Example, Task, task_from_config
 
 RewardFn = Callable[[str, Example], float]
 
@@ -378,3 +380,33 @@ def _encode(tokenizer, texts: list[str], extra: dict[str, Any]):
     if extra:  # targets: EOS appended, no BOS
         return tokenizer.batch_encode(texts, pad_to=None, add_bos=False, **extra)
     return tokenizer.batch_encode(texts, pad_to=None)
+
+
+def build_sources(data) -> tuple[PromptSource, PromptSource, Task | None]:
+    """(train source, held-out source, task or None) from a run's ``data`` settings
+    (``config.data``: ``source`` and the fields that source reads)."""
+    d = data
+    if d.source == "task":
+        task = task_from_config(d)
+        return TaskSource(task, "train"), TaskSource(task, "eval"), task
+    if d.source == "reasoning_gym":
+        from sat_jax.data.reasoning_gym_source import reasoning_gym_sources
+
+        return reasoning_gym_sources(d)
+    if d.source == "jsonl":
+
+        def jsonl(path):
+            return JsonlSource(
+                os.path.expanduser(path), prompt_field=d.prompt_field, answer_field=d.answer_field
+            )
+
+        src = jsonl(d.path)
+        return src, jsonl(d.eval_path) if d.eval_path else src, None
+    kwargs = dict(
+        data_dir=d.tfds_data_dir or None, prompt_field=d.prompt_field, answer_field=d.answer_field
+    )
+    return (
+        TfdsSource(d.tfds_name, split=d.split, **kwargs),
+        TfdsSource(d.tfds_name, split=d.eval_split, **kwargs),
+        None,
+    )

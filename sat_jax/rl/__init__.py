@@ -1,5 +1,5 @@
 """The asynchronous RL system: the rollout batch, snapshots, lag modes, rollout sources, the
-trainer step and the host loop (``sat_jax.rl.learner``)."""
+trainer step; the host loop that drives them is ``sat_jax.train``."""
 
 from sat_jax.rl.batch import BATCH_AXES, RolloutBatch
 from sat_jax.rl.lag import MODES, LagSchedule, lag_stats

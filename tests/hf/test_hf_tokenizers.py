@@ -160,7 +160,7 @@ def test_chat_template_on_a_base_tokenizer_needs_the_chat_eos(tok_dir):
 
 def test_prompts_are_checked_when_the_run_builds_them(tok_dir, tmp_path, monkeypatch):
     from sat_jax.config import ConfigError, validate
-    from sat_jax.rl import components
+    from sat_jax.train import components
 
     def no_model(*args, **kwargs):
         raise AssertionError("the data check must come before the model is built")

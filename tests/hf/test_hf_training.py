@@ -1,4 +1,4 @@
-"""A Hugging Face-format checkpoint and tokenizer run through `sat_jax.rl.learner` (chat prompts
+"""A Hugging Face-format checkpoint and tokenizer run through `sat_jax.train.learner` (chat prompts
 from JSONL, numeric verifier), with no network and no torch: the checkpoint is written by
 `sat_jax.models.save_hf`."""
 
@@ -14,7 +14,7 @@ pytest.importorskip("safetensors", reason="needs the safetensors package (sat_ja
 
 from sat_jax import config as config_lib  # noqa: E402
 from sat_jax.models import ModelConfig, init_model, save_hf  # noqa: E402
-from sat_jax.rl import learner  # noqa: E402
+from sat_jax.train import learner  # noqa: E402
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ["What is 12 + 35? The answer is 47.", "user assistant system", "0123456789+-=?"] * 8
@@ -85,7 +85,8 @@ def test_hf_checkpoint_trains_through_the_learner(tmp_path):
     assert summary["end_step"] == 2
     assert all(np.isfinite(h["loss/total"]) for h in summary["history"])
     final = summary["final_eval"]
-    assert len(parts.eval_examples) == 4 and set(final) == {"pass@1", "avg@4", "pass@4"}
+    assert len(parts.eval_examples) == 4
+    assert set(final) == {"pass@1", "avg@4", "pass@4", "num_prompts"} and final["num_prompts"] == 4
     # 0/1 verifier rewards: pass@1 counts correct samples of 16, pass@4 prompts with one of 4.
     assert final["pass@1"] * 16 == round(final["pass@1"] * 16)
     assert final["pass@4"] * 4 == round(final["pass@4"] * 4)

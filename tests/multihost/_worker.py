@@ -22,7 +22,8 @@ parallel.maybe_initialize_distributed(
 
 import numpy as np  # noqa: E402
 
-from sat_jax.rl import learner, trainer  # noqa: E402
+from sat_jax.rl import trainer  # noqa: E402
+from sat_jax.train import learner  # noqa: E402
 
 
 def main():

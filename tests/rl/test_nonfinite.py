@@ -15,10 +15,11 @@ from test_rl_system import tiny
 
 from sat_jax import config as config_lib
 from sat_jax import parallel
-from sat_jax.rl import learner, trainer
-from sat_jax.rl.controls import NonFiniteError, NonFiniteGuard
+from sat_jax.rl import trainer
 from sat_jax.run.checkpoint import Checkpointer
 from sat_jax.run.metrics import read_metrics
+from sat_jax.train import learner
+from sat_jax.train.controls import NonFiniteError, NonFiniteGuard
 
 
 @pytest.fixture(scope="module")

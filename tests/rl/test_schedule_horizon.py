@@ -7,7 +7,7 @@ from test_rl_system import _same_rows, _train_rows, tiny
 
 from sat_jax import config as config_lib
 from sat_jax.config.validation import ConfigError, validate
-from sat_jax.rl import learner
+from sat_jax.train import learner
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ last one's: maxima by max, minima by min, everything else by the mean."""
 import numpy as np
 import pytest
 
-from sat_jax.rl.learner import combine_updates
+from sat_jax.train.learner import combine_updates
 
 
 def _update(clip, mism_max, c_min, p99, refused):

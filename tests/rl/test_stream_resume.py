@@ -15,9 +15,10 @@ from test_rl_system import _cli_overrides, _train_rows, tiny
 
 from sat_jax import config as config_lib
 from sat_jax.config.validation import ConfigError, validate
-from sat_jax.rl import learner, trainer
+from sat_jax.rl import trainer
 from sat_jax.rl.stream import StreamRollouts
 from sat_jax.run.checkpoint import Checkpointer
+from sat_jax.train import learner
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ from etils import epath
 from test_rl_system import _same_rows, _train_rows, tiny
 
 from sat_jax import config as config_lib
-from sat_jax.rl import learner
 from sat_jax.run import workdir as workdir_lib
 from sat_jax.run.metrics import read_metrics
+from sat_jax.train import learner
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ jax.monitoring.register_event_duration_secs_listener(
 @pytest.fixture(autouse=True)
 def no_training(monkeypatch):
     """A config that passes validation by mistake must not start a run."""
-    from sat_jax.rl import learner
+    from sat_jax.train import learner
 
     def refuse(*args, **kwargs):
         raise AssertionError("validation passed: the run would have started")

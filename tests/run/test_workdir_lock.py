@@ -13,8 +13,8 @@ import time
 import pytest
 
 from sat_jax import config as config_lib
-from sat_jax.rl import learner
 from sat_jax.run.lock import LOCK_FILE, WorkdirLock, WorkdirLocked, lock_path
+from sat_jax.train import learner
 
 _HOLDER = """
 import sys, time

@@ -8,7 +8,7 @@ import jax
 import pytest
 from _study_cli import invoke
 
-from sat_jax.rl import components, learner
+from sat_jax.train import components, learner
 
 # Traces of the trainer step's function (``trainer.train_on_mesh``) while ``_TRACING`` holds a
 # list: jit traces a function once per new signature, whatever the persistent cache holds.

@@ -13,45 +13,12 @@ import jax
 import jax.numpy as jnp
 
 from sat_jax import parallel
-from sat_jax.config.validation import check_data_rows, loss_spec
-from sat_jax.data import (
-    CharTokenizer,
-    HFTokenizer,
-    JsonlSource,
-    TaskSource,
-    TfdsSource,
-    task_from_config,
-    user_prompt,
-)
+from sat_jax.config.validation import check_data_rows, full_eval_steps, loss_spec
+from sat_jax.data import CharTokenizer, HFTokenizer, build_sources, user_prompt
 from sat_jax.models import ModelConfig, check_mesh, init_model, load_hf, param_shardings
 from sat_jax.rl import sft, trainer
 from sat_jax.rl.rollout import RolloutEngine
 from sat_jax.sampling import ContinuousSampler, Sampler, SamplingParams
-
-
-def build_sources(config):
-    """(train source, held-out eval examples, task or None) from ``config.data``."""
-    d = config.data
-    if d.source == "task":
-        task = task_from_config(d)
-        return TaskSource(task, "train"), TaskSource(task, "eval"), task
-    if d.source == "jsonl":
-
-        def jsonl(path):
-            return JsonlSource(
-                os.path.expanduser(path), prompt_field=d.prompt_field, answer_field=d.answer_field
-            )
-
-        src = jsonl(d.path)
-        return src, jsonl(d.eval_path) if d.eval_path else src, None
-    kwargs = dict(
-        data_dir=d.tfds_data_dir or None, prompt_field=d.prompt_field, answer_field=d.answer_field
-    )
-    return (
-        TfdsSource(d.tfds_name, split=d.split, **kwargs),
-        TfdsSource(d.tfds_name, split=d.eval_split, **kwargs),
-        None,
-    )
 
 
 @dataclasses.dataclass
@@ -121,7 +88,7 @@ def build(config, log=lambda msg: None, *, warmup: bool = True) -> Components:
         expert=config.mesh.expert,
         tensor=config.mesh.tensor,
     )
-    train_src, eval_src, task = build_sources(config)
+    train_src, eval_src, task = build_sources(config.data)
     model_fields = config.model.to_dict()
     hf_path = os.path.expanduser(model_fields.pop("hf_path"))
     if config.data.tokenizer == "char":
@@ -206,7 +173,11 @@ def build(config, log=lambda msg: None, *, warmup: bool = True) -> Components:
         schedule=config.optim.schedule,
         total_steps=total,
     )
-    eval_examples = [eval_src[i] for i in range(min(config.eval.num_prompts, len(eval_src)))]
+    # The largest evaluation's prefix; smaller evaluations read its first rows.
+    rows = config.eval.num_prompts
+    if full_eval_steps(config):
+        rows = max(rows, config.eval.full_num_prompts)
+    eval_examples = [eval_src[i] for i in range(min(rows, len(eval_src)))]
     return Components(
         mesh=mesh,
         tokenizer=tokenizer,

@@ -6,8 +6,8 @@
 The loop (:func:`train`) only reads the next batch, steps, publishes the new version and runs the
 hooks; which version samples which batch and which versions stay in memory is the rollout
 source's business (``sat_jax.rl.rollout_sources``), building the components is
-``sat_jax.rl.components``,
-stop signals, the non-finite-update guard and timers are ``sat_jax.rl.controls``.
+``sat_jax.train.components``,
+stop signals, the non-finite-update guard and timers are ``sat_jax.train.controls``.
 
 Safety: one process trains in a workdir at a time (``sat_jax.run.lock``); SIGINT and SIGTERM
 save a checkpoint and stop, on every host after the same step; an update with a non-finite loss
@@ -36,11 +36,15 @@ import numpy as np
 from etils import epath
 
 from sat_jax import parallel
-from sat_jax.config.validation import changed_fields, loss_spec, plain, validate
+from sat_jax.config.validation import (
+    changed_fields,
+    full_eval_steps,
+    loss_spec,
+    plain,
+    validate,
+)
 from sat_jax.data import PromptIterator
 from sat_jax.rl import rng, trainer
-from sat_jax.rl.components import Components, build, build_sources, shared_train_step
-from sat_jax.rl.controls import NonFiniteError, NonFiniteGuard, StopFlag, Timer
 from sat_jax.rl.lag import LagSchedule, lag_stats
 from sat_jax.rl.rollout import batch_stats, evaluate
 from sat_jax.rl.rollout_sources import Rollout, RolloutSource, ScheduledRollouts
@@ -52,6 +56,8 @@ from sat_jax.run.metrics import RunLogger
 from sat_jax.run.plots import plot_run
 from sat_jax.run.progress import Progress
 from sat_jax.run.workdir import WorkdirNotShared
+from sat_jax.train.components import Components, build, shared_train_step
+from sat_jax.train.controls import NonFiniteError, NonFiniteGuard, StopFlag, Timer
 
 __all__ = [
     "Components",
@@ -60,7 +66,6 @@ __all__ = [
     "WorkdirLocked",
     "WorkdirNotShared",
     "build",
-    "build_sources",
     "evaluate_run",
     "loss_spec",
     "make_source",
@@ -100,15 +105,21 @@ def make_source(config, parts: Components, prompts, *, first_step: int) -> Rollo
 
 
 def _eval(config, parts: Components, params, step: int) -> dict[str, float]:
-    """Held-out evaluation of ``params`` at ``step``: the same keys in training and ``eval``."""
-    return evaluate(
+    """Held-out evaluation of ``params`` at ``step``: the same keys in training and ``eval``; the
+    first ``eval.full_num_prompts`` prompts at the steps of ``eval.full_at``, the first
+    ``eval.num_prompts`` at the others (logged as ``eval/num_prompts``)."""
+    full = step in full_eval_steps(config)
+    rows = config.eval.full_num_prompts if full else config.eval.num_prompts
+    examples = parts.eval_examples[:rows]
+    result = evaluate(
         parts.engine,
         parts.rollout_view(params),
-        parts.eval_examples,
+        examples,
         config.rollout.prompts_per_step // jax.process_count(),
         rng.key(config.seed, "eval", step),
         version=step,
     )
+    return {**result, "num_prompts": float(len(examples))}
 
 
 def _restore_target(state, params, ref_params):
