@@ -1,4 +1,6 @@
-"""Loss benchmarks: forward+backward time of PPO, SAT, GSPO and SAT-GSPO, and the exact quantile.
+"""Loss benchmarks: forward+backward time of PPO, SAT, GSPO, SAT-GSPO and the field's stabilizers
+(M2PO, BAPO, the age-aware clip, CISPO, SAPO, decoupled PPO), each against PPO in the same run, and
+the exact quantile.
 
 Prints one JSON object. Run: ``python benchmarks/losses.py`` (``--tokens 65536`` for a quick run).
 Times are medians over interleaved repeats of jitted calls after a warm-up, ``block_until_ready``
@@ -104,6 +106,20 @@ def main():
         "sat_gspo": _fwd_bwd(losses.sat_gspo),
         "sat_fixed_q": _fixed_q_sat(data),
     }
+    # Lags 0-8 for the objectives that read each token's staleness.
+    staleness = jax.random.randint(jax.random.key(1), data[0].shape, 0, 9)
+    stabilizers = {
+        "m2po": _fwd_bwd(losses.m2po),
+        "m2po_gspo": _fwd_bwd(losses.m2po_gspo),
+        "bapo": _fwd_bwd(losses.bapo),
+        "bapo_gspo": _fwd_bwd(losses.bapo_gspo),
+        "age_clip": _fwd_bwd(losses.age_clip, staleness=staleness),
+        "age_clip_gspo": _fwd_bwd(losses.age_clip_gspo, staleness=staleness),
+        "cispo": _fwd_bwd(losses.cispo),
+        "sapo": _fwd_bwd(losses.sapo),
+        "decoupled_ppo": _fwd_bwd(losses.decoupled_ppo, staleness=staleness),
+    }
+    objectives.update(stabilizers)
     fwd_bwd_ms, rounds = interleaved_ms(objectives, data, args.repeats)
 
     absd = jnp.abs(data[0] - data[1])
@@ -161,6 +177,7 @@ def main():
         "sat_bisect_over_ppo": paired_ratio(rounds, "sat_bisect", "ppo"),
         "sat_gspo_over_gspo": paired_ratio(rounds, "sat_gspo", "gspo"),
         "sat_fixed_q_over_ppo": paired_ratio(rounds, "sat_fixed_q", "ppo"),
+        "stabilizers_over_ppo": {name: paired_ratio(rounds, name, "ppo") for name in stabilizers},
         "quantile_ms": {k: round(v, 3) for k, v in quantile_ms.items()},
         "quantile_speedup_vs_jnp_quantile": round(
             quantile_ms["jnp_quantile"] / quantile_ms["radix"], 1

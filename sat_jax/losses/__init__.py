@@ -5,7 +5,7 @@ Depends on jax, numpy and chex only. Every objective takes log-prob arrays (not 
 """
 
 from sat_jax.losses._base import AGGREGATIONS, LOG_RATIO_CLAMP, LossOutput, aggregate
-from sat_jax.losses.corrections import icepop, kpop, tis
+from sat_jax.losses.corrections import geo_rs, icepop, kpop, opsm, seq_mis, tis
 from sat_jax.losses.diagnostics import (
     clip_split,
     low_var_kl,
@@ -29,16 +29,34 @@ from sat_jax.losses.objectives import (
 )
 from sat_jax.losses.quantile import quantile
 from sat_jax.losses.registry import get, names, register
+from sat_jax.losses.stabilizers import (
+    age_clip,
+    age_clip_gspo,
+    bapo,
+    bapo_gspo,
+    cispo,
+    decoupled_ppo,
+    m2po,
+    m2po_gspo,
+    sapo,
+)
 
 __all__ = [
     "AGGREGATIONS",
     "LOG_RATIO_CLAMP",
     "LossOutput",
+    "age_clip",
+    "age_clip_gspo",
     "aggregate",
+    "bapo",
+    "bapo_gspo",
     "bernoulli_kl",
+    "cispo",
+    "decoupled_ppo",
     "clip_split",
     "dppo",
     "drpo",
+    "geo_rs",
     "get",
     "gspo",
     "gspo_token",
@@ -46,15 +64,20 @@ __all__ = [
     "icepop",
     "kpop",
     "low_var_kl",
+    "m2po",
+    "m2po_gspo",
     "mismatch_decomposition",
     "mismatch_metrics",
     "mismatch_shape",
     "names",
+    "opsm",
     "ppo",
     "quantile",
     "register",
+    "sapo",
     "sat",
     "sat_gspo",
+    "seq_mis",
     "seqclip",
     "spo",
     "tis",

@@ -4,6 +4,22 @@ One helper for each of these, so that a new objective is a small function and no
 
 * :func:`prepare` checks the public arguments and returns float32 arrays whose masked positions are
   zeroed, so that ``inf``/``NaN`` padding can never reach the loss or its gradient.
+* :func:`check_mask`, :func:`check_hparam`, :func:`check_staleness`: the input rules below.
+
+Input rules shared by every loss (the dtype rules hold under ``jit``; value rules run only on
+concrete inputs, since traced values cannot be inspected):
+
+* An empty batch (``[0, T]`` or ``[B, 0]``) is refused, naming the argument.
+* ``mask`` is bool or numeric, read as ``mask != 0`` (the one rule, also under ``jit``). A
+  concrete mask holding values other than 0/1 (a 0.5 meant as a weight) is refused, pointing at
+  ``token_weights``, where per-token weights belong; a traced one cannot be inspected and is
+  read by the rule.
+* A non-finite advantage on an active token is refused when the arguments are concrete. Under
+  ``jit`` such a token's surrogate is NaN, so the loss is NaN (never a finite or ``-inf``
+  value that looks like progress); the other tokens' gradients are unaffected and the trainer
+  step refuses the non-finite update (``optim/nonfinite``).
+* Hyper-parameters are Python or NumPy real scalars; ``bool`` is refused (``alpha=True`` is a
+  mistake, not 1.0).
 * :func:`psum` / :func:`pmax` / :func:`pmin` make a statistic global over the data-parallel axis.
 * :func:`masked_mean` and :func:`aggregate` are the only reductions over tokens.
 """
@@ -63,6 +79,7 @@ class Prepared(NamedTuple):
     advantages: Array  # [B, T], detached, 0 where masked.
     mask: Array  # [B, T] bool.
     weights: Array | None  # [B, T], detached, 0 where masked.
+    bad_advantage: Array  # [B, T] bool: active tokens whose advantage is not finite.
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,18 +111,60 @@ def _check_shape(name: str, x: Array, shape: tuple[int, ...]) -> None:
     _checks.check_shape(name, x, shape)
 
 
+def _concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
 def check_mask(mask: Any, shape: tuple[int, ...], name: str = "mask") -> Array:
-    """Returns a bool mask of ``shape``; accepts bool or 0/1 numeric masks."""
+    """Returns a bool mask of ``shape`` from a bool or numeric 0/1 mask, read as ``mask != 0``.
+
+    That reading is the one rule, also under ``jit``. A concrete mask holding values other than
+    0/1 (a 0.5 meant as a weight) is refused, pointing at ``token_weights``.
+    """
     mask = _as_array(name, mask)
     _check_shape(name, mask, shape)
-    if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.number)):
+    if mask.dtype == jnp.bool_:
+        return mask
+    if not jnp.issubdtype(mask.dtype, jnp.number):
         raise TypeError(f"`{name}` must be bool or 0/1 numeric, got {mask.dtype}.")
-    return mask if mask.dtype == jnp.bool_ else mask != 0
+    if _concrete(mask):
+        values = np.asarray(mask)
+        bad = values[(values != 0) & (values != 1)]
+        if bad.size:
+            hint = " (pass per-token weights as `token_weights`)" if name == "mask" else ""
+            raise ValueError(f"`{name}` must hold only 0 and 1, got {bad.flat[0]}{hint}.")
+    return mask != 0
+
+
+def check_nonempty(name: str, x: Array) -> None:
+    """Refuses a ``[0, T]`` or ``[B, 0]`` batch, naming the argument."""
+    if 0 in x.shape:
+        raise ValueError(
+            f"`{name}` must have at least one row and one token, got shape {tuple(x.shape)}."
+        )
+
+
+def check_staleness(staleness: Any, mask: Array, name: str = "staleness") -> Array:
+    """Returns ``[B, T]`` int32 versions-behind, from an integer array of the mask's shape.
+
+    Negative values on active tokens are refused when concrete and read as 0 when traced.
+    """
+    staleness = _as_array(name, staleness)
+    _check_shape(name, staleness, tuple(mask.shape))
+    if not jnp.issubdtype(staleness.dtype, jnp.integer):
+        raise TypeError(
+            f"`{name}` must be an integer array (versions behind), got {staleness.dtype}."
+        )
+    staleness = staleness.astype(jnp.int32)
+    if _concrete(staleness, mask) and bool(jnp.any(mask & (staleness < 0))):
+        raise ValueError(f"`{name}` must be >= 0 on active tokens, got {int(jnp.min(staleness))}.")
+    return jnp.where(mask, jnp.maximum(staleness, 0), 0)
 
 
 def check_logps(name: str, logp: Any, other_name: str, other: Any) -> tuple[Array, Array]:
     """Checks a pair of ``[B, T]`` log-prob arrays of the same shape."""
     logp = check_float(name, logp, rank=2)
+    check_nonempty(name, logp)
     other = check_float(other_name, other, shape=logp.shape)
     return logp, other
 
@@ -122,7 +181,11 @@ def check_hparam(
     """Range-checks a concrete Python/NumPy scalar; traced values (e.g. under vmap) pass through."""
     if isinstance(value, jax.core.Tracer) or value is None:
         return
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be a real number, got the bool {value}.")
     if isinstance(value, (np.ndarray, jax.Array)):
+        if value.dtype == np.bool_:
+            raise TypeError(f"`{name}` must be a real number, got a bool array.")
         if np.ndim(value) != 0:
             return  # A stacked hyper-parameter for vmap; checked elementwise by the caller's data.
         value = float(value)
@@ -166,6 +229,12 @@ def prepare(
             f"`advantages` must have shape {shape[:1]} (per sequence) or {shape} (per token), "
             f"got {tuple(adv.shape)}."
         )
+    if _concrete(adv, mask) and not bool(jnp.all(jnp.isfinite(adv) | ~mask)):
+        row, tok = (int(i[0]) for i in np.nonzero(~np.isfinite(np.asarray(adv)) & np.asarray(mask)))
+        raise ValueError(
+            f"`advantages` must be finite on active tokens, got {float(adv[row, tok])} at "
+            f"row {row}, token {tok}."
+        )
     weights = None
     if token_weights is not None:
         weights = check_float("token_weights", token_weights, shape=shape)
@@ -173,9 +242,12 @@ def prepare(
     return Prepared(
         logp=jnp.where(mask, logp, 0.0),
         behavior_logp=jnp.where(mask, jax.lax.stop_gradient(behavior_logp), 0.0),
-        advantages=jnp.where(mask, jax.lax.stop_gradient(adv), 0.0),
+        # A non-finite advantage is zeroed here (so no inf reaches a gradient) and flagged for
+        # `finish`, which makes the loss NaN.
+        advantages=jnp.where(mask & jnp.isfinite(adv), jax.lax.stop_gradient(adv), 0.0),
         mask=mask,
         weights=weights,
+        bad_advantage=mask & ~jnp.isfinite(adv),
     )
 
 
@@ -258,6 +330,7 @@ def aggregate(
     """
     check_aggregation(mode)
     values = check_float("values", values, rank=2)
+    check_nonempty("values", values)
     mask = check_mask(mask, values.shape)
     x = jnp.where(mask, values, 0.0)
     m = mask.astype(jnp.float32)
@@ -304,6 +377,9 @@ def finish(
     """Applies the detached token weights, aggregates and negates: ``loss = -agg(w·S)``."""
     if prep.weights is not None:
         surrogate = surrogate * prep.weights
+    # Only reachable under jit (concrete inputs are refused in `prepare`): a NaN surrogate makes
+    # the loss NaN on every device, so the step is refused rather than taken on a -inf loss.
+    surrogate = jnp.where(prep.bad_advantage, jnp.nan, surrogate)
     loss = -aggregate(surrogate, prep.mask, aggregation, axis_name)
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
     return LossOutput(loss=loss, metrics=metrics)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sat_jax.losses import _base
 from sat_jax.losses.diagnostics import _mismatch_from_log_ratio, clip_split
@@ -61,8 +62,10 @@ def _check_clip(eps_low, eps_high, dual_clip=None):
 
 
 def _check_sat(alpha, hill_exponent, kernel):
-    if not isinstance(alpha, (int, float)):
-        raise TypeError(f"`alpha` must be a Python float (it fixes a rank), got {alpha!r}.")
+    if isinstance(alpha, (bool, np.bool_)) or not isinstance(alpha, (int, float, np.number)):
+        raise TypeError(
+            f"`alpha` must be a Python or NumPy float (it fixes a rank), got {alpha!r}."
+        )
     _base.check_hparam("alpha", alpha, low=0.0, high=1.0, low_open=True)
     _base.check_hparam("hill_exponent", hill_exponent, low=0.0, low_open=True)
     if kernel is not None and not callable(kernel):
@@ -206,6 +209,16 @@ def _zero_with_unit_grad(logp: jax.Array) -> jax.Array:
     """
     finite = jnp.isfinite(jax.lax.stop_gradient(logp))
     return jnp.where(finite, logp - jax.lax.stop_gradient(logp), 0.0)
+
+
+def _policy_gradient(prep, weight, axis_name, aggregation, extra):
+    """S = sg(weight)·A·(1 + logp − sg(logp)): value weight·A, gradient weight·A·∇log π."""
+    lr = _base.log_ratio(prep.logp, prep.behavior_logp)
+    surrogate = weight * prep.advantages * (1.0 + _zero_with_unit_grad(prep.logp))
+    metrics = _mismatch_from_log_ratio(lr, prep.mask, axis_name)
+    r = jnp.exp(jax.lax.stop_gradient(lr))
+    metrics.update(_base.masked_means({"ratio_mean": r, **extra(r)}, prep.mask, axis_name))
+    return _base.finish(surrogate, prep, metrics, aggregation, axis_name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -517,18 +530,14 @@ def tis_pg(
     """
     _base.check_hparam("cap", cap, low=0.0, low_open=True)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
-    lr = _base.log_ratio(prep.logp, prep.behavior_logp)
-    r = jnp.exp(jax.lax.stop_gradient(lr))
-    surrogate = jnp.minimum(r, cap) * prep.advantages * (1.0 + _zero_with_unit_grad(prep.logp))
-    metrics = _mismatch_from_log_ratio(lr, prep.mask, axis_name)
-    metrics.update(
-        _base.masked_means(
-            {"ratio_mean": r, "tis_pg/truncated_frac": (r > cap).astype(jnp.float32)},
-            prep.mask,
-            axis_name,
-        )
+    r = jnp.exp(jax.lax.stop_gradient(_base.log_ratio(prep.logp, prep.behavior_logp)))
+    return _policy_gradient(
+        prep,
+        jnp.minimum(r, cap),
+        axis_name,
+        aggregation,
+        lambda r: {"tis_pg/truncated_frac": (r > cap).astype(jnp.float32)},
     )
-    return _base.finish(surrogate, prep, metrics, aggregation, axis_name)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sat_jax.losses import _base
 
@@ -158,8 +159,12 @@ def quantile(
     """
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {METHODS}, got {method!r}.")
-    if not isinstance(alpha, (int, float)) or not 0.0 < float(alpha) <= 1.0:
-        raise ValueError(f"`alpha` must be a Python float in (0, 1], got {alpha!r}.")
+    if (
+        isinstance(alpha, (bool, np.bool_))
+        or not isinstance(alpha, (int, float, np.number))
+        or not 0.0 < float(alpha) <= 1.0
+    ):
+        raise ValueError(f"`alpha` must be a Python or NumPy float in (0, 1], got {alpha!r}.")
     x = _base.check_float("x", x)
     mask = _base.check_mask(mask, x.shape)
     weight = None
@@ -177,3 +182,52 @@ def quantile(
     select = _radix_select if method == "radix" else _bisect_select
     key, n = select(key, mask, weight, float(alpha), axis_name)
     return jnp.where(n > 0, _key_to_float(key), 0.0)
+
+
+def mean_bounded_keep(
+    x: jax.Array,
+    mask: jax.Array,
+    candidates: jax.Array,
+    tau: float,
+    axis_name=None,
+) -> jax.Array:
+    """M2PO's selection: drop the largest candidate values until the kept mean is ≤ ``tau``.
+
+    Returns the kept ``[...]`` bool mask: every active non-candidate, and the candidates with
+    ``x ≤ θ``, θ the largest threshold at which the mean of the kept ``x`` over all active
+    positions is ≤ ``tau``. Dropping the largest values one by one stops exactly there, except
+    that values tied at θ are kept or dropped together (so the kept mean never exceeds ``tau``).
+    When even θ = ``tau`` fails (the non-candidates alone average above ``tau``), no candidate is
+    kept, as the one-by-one drop would end.
+
+    Like :func:`quantile` it needs no sort and no all-gather: above ``tau`` the kept surplus
+    Σ (x − tau) grows with θ, so a 31-step bisection over the float32 key of θ finds it, each step
+    one masked (sum, count) pair psum'd over ``axis_name``. ``x`` must be non-negative and
+    finite; the sums are float32, so a surplus within rounding of 0 can decide either way.
+    """
+    x = jax.lax.stop_gradient(x.astype(jnp.float32))
+    key = _sortable_key(x)
+    candidates = mask & candidates
+    fixed = mask & ~candidates
+
+    def surplus(active):
+        s, c = jnp.sum(jnp.where(active, x, 0.0)), jnp.sum(active.astype(jnp.int32))
+        return s, c
+
+    base_sum, base_count = _base.psum(surplus(fixed), axis_name)
+
+    def ok(k):
+        s, c = _base.psum(surplus(candidates & (key <= k)), axis_name)
+        return base_sum + s <= tau * (base_count + c).astype(jnp.float32)
+
+    # Invariant: ok(lo); ok(k) is monotone (true, then false) for k ≥ key(tau).
+    lo0 = _sortable_key(jnp.float32(tau))
+
+    def body(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo + jnp.uint32(1)) // jnp.uint32(2)
+        good = ok(mid)
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid - jnp.uint32(1))
+
+    lo, _ = jax.lax.fori_loop(0, 32, body, (lo0, jnp.uint32(0xFFFFFFFF)))
+    return fixed | (candidates & (key <= lo) & ok(lo0))

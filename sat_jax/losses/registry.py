@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sat_jax.losses import corrections, objectives
+from sat_jax.losses import corrections, objectives, stabilizers
 
 _OBJECTIVES: dict[str, Callable] = {
     "ppo": objectives.ppo,
@@ -37,19 +37,38 @@ _OBJECTIVES: dict[str, Callable] = {
     "spo": objectives.spo,
     "drpo": objectives.drpo,
     "tis_pg": objectives.tis_pg,
+    "m2po": stabilizers.m2po,
+    "m2po_gspo": stabilizers.m2po_gspo,
+    "bapo": stabilizers.bapo,
+    "bapo_gspo": stabilizers.bapo_gspo,
+    "age_clip": stabilizers.age_clip,
+    "age_clip_gspo": stabilizers.age_clip_gspo,
+    "cispo": stabilizers.cispo,
+    "sapo": stabilizers.sapo,
+    "decoupled_ppo": stabilizers.decoupled_ppo,
 }
 _CORRECTIONS: dict[str, Callable] = {
     "tis": corrections.tis,
     "icepop": corrections.icepop,
     "kpop": corrections.kpop,
+    "seq_mis": corrections.seq_mis,
+    "geo_rs": corrections.geo_rs,
 }
 # Which trainer log-prob a correction compares with the engine's: "old" (the behaviour version,
 # recomputed by the trainer) or "current" (the policy being trained, detached).
-_REFERENCE: dict[str, str] = {"tis": "old", "icepop": "old", "kpop": "current"}
+_REFERENCE: dict[str, str] = {
+    "tis": "old",
+    "icepop": "old",
+    "kpop": "current",
+    "seq_mis": "old",
+    "geo_rs": "old",
+}
 REFERENCES = ("old", "current")
 
 # Objective keywords that are inputs of the trainer, not hyper-parameters of a config.
-_NOT_HYPERPARAMETERS = frozenset({"aggregation", "token_weights", "axis_name", "kernel"})
+_NOT_HYPERPARAMETERS = frozenset(
+    {"aggregation", "token_weights", "axis_name", "kernel", "staleness", "prox_logp"}
+)
 _REQUIRED = inspect.Parameter.empty
 
 
@@ -112,6 +131,12 @@ def hyperparameters(name: str) -> dict[str, Any]:
     }
 
 
+def takes_staleness(name: str) -> bool:
+    """Whether objective ``name`` takes ``staleness=`` (``[B, T]`` versions behind), which the
+    trainer then fills from the batch's per-token versions."""
+    return "staleness" in inspect.signature(get(name)).parameters
+
+
 def correction_reference(name: str) -> str:
     """``"old"`` or ``"current"``: which trainer log-prob correction ``name`` compares."""
     if name not in _CORRECTIONS:
@@ -148,6 +173,14 @@ def check(name: str, hparams: dict[str, Any], *, aggregation: str = "token-mean"
         return
     fn = get(name)
     adv = jax.ShapeDtypeStruct((1,), jnp.float32)
+    extra = {}
+    if takes_staleness(name):
+        extra["staleness"] = jax.ShapeDtypeStruct((1, 2), jnp.int32)
     jax.eval_shape(
-        lambda a, b, c, m: fn(a, b, c, m, aggregation=aggregation, **hparams), logp, logp, adv, mask
+        lambda a, b, c, m, x: fn(a, b, c, m, aggregation=aggregation, **x, **hparams),
+        logp,
+        logp,
+        adv,
+        mask,
+        extra,
     )

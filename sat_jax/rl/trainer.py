@@ -152,9 +152,11 @@ def policy_loss(
     prompt_width: int,
     axis_name,
     share: bool = False,
+    version=None,
 ):
     """Loss and metrics on one (local) shard of a batch; global over ``axis_name``. ``share``:
-    the batch's groups share their prompts (``make_train_step``)."""
+    the batch's groups share their prompts (``make_train_step``). ``version``: the parameter
+    version of ``params`` (updates applied), needed by an objective that takes ``staleness=``."""
     old_logp = ref_logp = None
     if spec.needs_old:
         old_logp = jax.lax.stop_gradient(
@@ -167,7 +169,14 @@ def policy_loss(
     logp, entropy, aux = _logprobs(graphdef, params, batch, spec, prompt_width, share)
     flips = routing_flip_share(aux["router_top_k"], batch.routing, prompt_width)
     loss, metrics = _objective(
-        logp, entropy, old_logp, ref_logp, _loss_fields(batch), spec, axis_name, flips
+        logp,
+        entropy,
+        old_logp,
+        ref_logp,
+        _loss_fields(batch, spec, version),
+        spec,
+        axis_name,
+        flips,
     )
     if spec.router_aux:
         aux_loss = (
@@ -193,13 +202,23 @@ def routing_flip_share(router_top_k, routing, prompt_width: int) -> jax.Array:
     return jnp.mean(routing_flips(top, rec).astype(jnp.float32), axis=0)
 
 
-def _loss_fields(batch: RolloutBatch) -> dict[str, jax.Array]:
-    """The per-sequence / per-token fields the objective reads (all with the batch on axis 0)."""
-    return {
+def _loss_fields(batch: RolloutBatch, spec: LossSpec, version=None) -> dict[str, jax.Array]:
+    """The per-sequence / per-token fields the objective reads (all with the batch on axis 0).
+
+    An objective that takes ``staleness=`` also gets each token's versions behind the policy
+    being trained, ``version − batch.versions`` (``version``: the updates applied so far)."""
+    fields = {
         "response_mask": batch.response_mask,
         "behavior_logp": batch.behavior_logp,
         "advantages": batch.advantages,
     }
+    if losses.registry.takes_staleness(spec.objective):
+        if version is None:
+            raise ValueError(
+                f"objective {spec.objective!r} takes `staleness`: pass the parameters' version"
+            )
+        fields["staleness"] = (version - batch.versions).astype(jnp.int32)
+    return fields
 
 
 def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_name, flips=None):
@@ -219,6 +238,7 @@ def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_na
             mask=mask,
             **dict(spec.correction_kwargs),
         )
+    extra = {"staleness": batch["staleness"]} if "staleness" in batch else {}
     out = losses.get(spec.objective)(
         logp,
         denominator,
@@ -227,6 +247,7 @@ def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_na
         aggregation=spec.aggregation,
         token_weights=weights,
         axis_name=axis_name,
+        **extra,
         **dict(spec.objective_kwargs),
     )
     loss = out.loss
@@ -361,7 +382,7 @@ def make_train_step(
             batch,
             RolloutBatch.specs(axes),
         )
-        loss_fields = _loss_fields(batch)
+        loss_fields = _loss_fields(batch, spec, count)
         smap = jax.shard_map(objective, mesh=mesh, in_specs=P(axes), out_specs=(P(), P()))
 
         def loss_fn(p):

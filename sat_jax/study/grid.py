@@ -46,6 +46,16 @@ METHODS: dict[str, tuple[str, bool, str]] = {
     "grpo_tight_r3": ("ppo", True, "none"),
     "gspo_tight": ("gspo", False, "none"),
     "gspo_tight_r3": ("gspo", True, "none"),
+    # The field's stabilizers (docs/losses.md), token and GSPO forms: study 2's arms.
+    "m2po": ("m2po", False, "none"),
+    "m2po_gspo": ("m2po_gspo", False, "none"),
+    "bapo": ("bapo", False, "none"),
+    "bapo_gspo": ("bapo_gspo", False, "none"),
+    "age_clip": ("age_clip", False, "none"),
+    "age_clip_gspo": ("age_clip_gspo", False, "none"),
+    "cispo": ("cispo", False, "none"),
+    "sapo": ("sapo", False, "none"),
+    "decoupled_ppo": ("decoupled_ppo", False, "none"),
 }
 
 #: ε of the matched-step controls' uniformly tighter clip, ε_low = ε_high (the default run's is
@@ -63,6 +73,14 @@ METHOD_LOSS: dict[str, dict[str, Any]] = {
     name: {"eps_low": TIGHT_EPS, "eps_high": TIGHT_EPS}
     for name in ("grpo_tight", "grpo_tight_r3", "gspo_tight", "gspo_tight_r3")
 }
+# The stabilizers' own knob as a config field (so a grid can --set it), at the loss's default:
+# M2PO's τ, BAPO's ρ₀, the age-aware clip's κ (to be tuned on calibration seeds).
+METHOD_LOSS.update(
+    {name: {"tau": 0.04} for name in ("m2po", "m2po_gspo")}
+    | {name: {"rho_target": 0.4} for name in ("bapo", "bapo_gspo")}
+    | {name: {"kappa": 0.5} for name in ("age_clip", "age_clip_gspo")}
+    | {"sapo": {"aggregation": "seq-mean-token-mean"}}  # the SAPO paper's
+)
 
 #: The paper's names of the methods (Table 1).
 LABELS = {
@@ -85,6 +103,15 @@ LABELS = {
     "grpo_tight_r3": "GRPO, tight clip, w/ R3",
     "gspo_tight": "GSPO, tight clip",
     "gspo_tight_r3": "GSPO, tight clip, w/ R3",
+    "m2po": "M2PO",
+    "m2po_gspo": "M2PO-GSPO",
+    "bapo": "BAPO",
+    "bapo_gspo": "BAPO-GSPO",
+    "age_clip": "Age-aware clip",
+    "age_clip_gspo": "Age-aware clip (GSPO)",
+    "cispo": "CISPO",
+    "sapo": "SAPO",
+    "decoupled_ppo": "Decoupled PPO (A-3PO)",
 }
 
 # Fields the grid sets itself; a --set of one of them would be silently overwritten.

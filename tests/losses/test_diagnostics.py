@@ -152,8 +152,8 @@ def test_objective_reports_the_clip_split_over_active_tokens():
     # SAT's contracted edges: the edges are per token, the split follows them.
     lp = np.log(np.array([[1.0, 1.01, 1.02, 1.03, 1.15]], np.float32))
     adv = np.ones((1, 5), np.float32)
-    sat = losses.sat(lp, np.zeros_like(lp), adv, np.ones((1, 5)), alpha=0.8).metrics
-    ppo = losses.ppo(lp, np.zeros_like(lp), adv, np.ones((1, 5))).metrics
+    sat = losses.sat(lp, np.zeros_like(lp), adv, np.ones((1, 5), bool), alpha=0.8).metrics
+    ppo = losses.ppo(lp, np.zeros_like(lp), adv, np.ones((1, 5), bool)).metrics
     assert float(ppo["clip/pos_high"]) == 0.0
     np.testing.assert_allclose(sat["clip/pos_high"], 0.2, rtol=1e-6)
 

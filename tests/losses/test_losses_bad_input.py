@@ -51,7 +51,10 @@ def test_shape_and_dtype_errors_name_the_argument(name):
         ("ppo", {"eps_low": float("nan")}, "`eps_low` must be finite"),
         ("sat", {"alpha": 0.0}, "`alpha` must be > 0"),
         ("sat", {"alpha": 1.5}, "`alpha` must be <= 1"),
-        ("sat", {"alpha": jnp.float32(0.9)}, "`alpha` must be a Python float"),
+        ("sat", {"alpha": jnp.float32(0.9)}, "`alpha` must be a Python or NumPy float"),
+        ("sat", {"alpha": True}, "`alpha` must be a Python or NumPy float"),
+        ("ppo", {"eps_high": True}, "`eps_high` must be a real number, got the bool"),
+        ("spo", {"eps": np.bool_(True)}, "`eps` must be a real number, got the bool"),
         ("sat", {"hill_exponent": 0.0}, "`hill_exponent` must be > 0"),
         ("sat", {"kernel": 3}, "`kernel` must be a callable"),
         ("sat", {"quantile_method": "sort"}, "`method` must be one of"),
@@ -80,7 +83,7 @@ def test_other_public_functions_validate():
         losses.low_var_kl(logp, beh[:1], mask)
     with pytest.raises(ValueError, match="`mask` must have shape"):
         losses.mismatch_metrics(logp, beh, mask[0])
-    with pytest.raises(ValueError, match="`alpha` must be a Python float in"):
+    with pytest.raises(ValueError, match="`alpha` must be a Python or NumPy float in"):
         losses.quantile(logp, mask, 0.0)
     with pytest.raises(ValueError, match="`values` must have rank 2"):
         losses.aggregate(logp[0], mask[0])
@@ -151,5 +154,69 @@ def test_numeric_masks_equal_bool_masks():
     logp, beh, adv, _ = _ok()
     mask = np.arange(T)[None, :] < np.array([[5], [2], [1]])
     want = losses.sat(logp, beh, adv, mask).loss
-    for m in (mask.astype(np.int32), mask.astype(np.float32)):
+    for m in (mask.astype(np.int32), mask.astype(np.uint8), mask.astype(np.float32)):
         np.testing.assert_array_equal(losses.sat(logp, beh, adv, m).loss, want)
+        np.testing.assert_array_equal(jax.jit(losses.sat)(logp, beh, adv, m).loss, want)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_masks_other_than_0_1_are_refused_or_read_as_nonzero(name):
+    """A 0.5 meant as a weight: refused when concrete (pointing at token_weights); under jit
+    values are traced, and the one rule, mask != 0, reads it as 1 (documented in _base)."""
+    logp, beh, adv, mask = _ok()
+    fn = losses.get(name)
+    for bad, shown in ((0.5, "0.5"), (2, "2")):
+        m = np.where(mask, bad, 0).astype(np.float32 if shown == "0.5" else np.int32)
+        with pytest.raises(
+            ValueError, match=f"`mask` must hold only 0 and 1, got {shown}.*`token_weights`"
+        ):
+            fn(logp, beh, adv, m)
+        np.testing.assert_array_equal(
+            jax.jit(fn)(logp, beh, adv, m).loss, fn(logp, beh, adv, mask).loss
+        )
+
+
+@pytest.mark.parametrize("shape", [(0, T), (B, 0)])
+def test_empty_batches_name_the_argument(shape):
+    z = np.zeros(shape, np.float32)
+    m = np.zeros(shape, bool)
+    adv = np.zeros(shape[:1], np.float32)
+    for name in NAMES:
+        with pytest.raises(ValueError, match="`logp` must have at least one row and one token"):
+            losses.get(name)(z, z, adv, m)
+    with pytest.raises(ValueError, match="`old_logp` must have at least one row"):
+        losses.tis(z, z, m)
+    with pytest.raises(ValueError, match="`values` must have at least one row"):
+        losses.aggregate(z, m)
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("name", NAMES)
+def test_nonfinite_advantage_on_an_active_token(name, bad):
+    logp, beh, adv, mask = _ok()
+    adv = np.broadcast_to(adv[:, None], (B, T)).copy()
+    adv[1, 2] = bad
+    fn = losses.get(name)
+    with pytest.raises(
+        ValueError,
+        match=r"`advantages` must be finite on active tokens, got .* "
+        r"at row 1, token 2",
+    ):
+        fn(logp, beh, adv, mask)
+    # Under jit: the documented result is a NaN loss (never -inf), with finite gradients.
+    value, grad = jax.jit(jax.value_and_grad(lambda x: fn(x, beh, adv, mask).loss))(logp)
+    assert np.isnan(value)
+    assert np.all(np.isfinite(grad))
+    # On a masked position it is padding, and ignored.
+    mask[1, 2] = False
+    assert np.isfinite(fn(logp, beh, adv, mask).loss)
+
+
+def test_numpy_scalar_hyperparameters_are_accepted():
+    args = _ok()
+    want = losses.sat(*args, alpha=0.9, eps_low=0.1).loss
+    got = losses.sat(*args, alpha=np.float32(0.9), eps_low=np.float64(0.1)).loss
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(
+        losses.ppo(*args, eps_high=np.float32(0.2)).loss, losses.ppo(*args).loss
+    )

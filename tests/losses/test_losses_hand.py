@@ -321,7 +321,7 @@ def test_registry():
         "tis_pg",
     }
     assert losses.get("tis_pg") is losses.tis_pg
-    assert losses.names("correction") == ("icepop", "kpop", "tis")
+    assert losses.names("correction") == ("geo_rs", "icepop", "kpop", "seq_mis", "tis")
     assert losses.get("sat_gspo") is losses.sat_gspo
     assert losses.get("tis") is losses.tis
     with pytest.raises(KeyError, match="unknown loss 'nope'"):
