@@ -14,8 +14,10 @@ sees (``mismatch/p50``, ``p90``, ``p99``, ``max`` of |log r|, ``seq_sum_max``, `
 ``losses.mismatch_shape``), the routing flip rate (``routing/flip_rate``: the share of
 (response token, MoE layer) pairs whose trainer top-k set differs from the engine's recorded
 one, with R3 on or off; ``routing_flip_share``), ``train/entropy``, ``optim/grad_norm`` and
-``optim/update_norm``; with ``LossSpec.decompose_mismatch`` also ``mismatch/staleness*`` and
-``mismatch/engine*`` (``losses.mismatch_decomposition``, relative to the engine's log μ).
+``optim/update_norm``, d̄_π by the staleness of the tokens (``mismatch/lag_le2``,
+``mismatch/lag_ge8`` and their ``_share`` of active tokens: :data:`LAG_BUCKETS`); with
+``LossSpec.decompose_mismatch`` also ``mismatch/staleness*`` and ``mismatch/engine*``
+(``losses.mismatch_decomposition``, relative to the engine's log μ).
 
 The step is a pure function ``(TrainState, batch, extra_params) -> (TrainState, metrics)``, so it
 can also be vmapped over a leading "run" axis of stacked states for many small studies at once
@@ -218,7 +220,31 @@ def _loss_fields(batch: RolloutBatch, spec: LossSpec, version=None) -> dict[str,
                 f"objective {spec.objective!r} takes `staleness`: pass the parameters' version"
             )
         fields["staleness"] = (version - batch.versions).astype(jnp.int32)
+    if version is not None:  # for the mismatch by staleness bucket (every objective)
+        fields["lag"] = (version - batch.versions).astype(jnp.int32)
     return fields
+
+
+#: Staleness buckets of the mismatch metrics, in versions behind: (name, lowest, highest).
+LAG_BUCKETS = (("lag_le2", 0, 2), ("lag_ge8", 8, None))
+
+
+def _mismatch_by_lag(logp, denominator, mask, lag, axis_name) -> dict[str, jax.Array]:
+    """d̄_π over the active tokens of each :data:`LAG_BUCKETS` bucket (``mismatch/<bucket>``,
+    0 when the bucket is empty) and the bucket's share of active tokens (``<bucket>_share``):
+    whether the mismatch of a batch that mixes fresh and stale groups grows with their age."""
+    log_ratio = jnp.where(mask, logp - denominator, 0.0)
+    out = {}
+    for name, lo, hi in LAG_BUCKETS:
+        inside = (lag >= lo) if hi is None else ((lag >= lo) & (lag <= hi))
+        inside = inside & (mask != 0)
+        out[f"mismatch/{name}"] = losses.aggregate(
+            jnp.abs(log_ratio), inside, "token-mean", axis_name
+        )
+        out[f"mismatch/{name}_share"] = losses.aggregate(
+            inside.astype(jnp.float32), mask, "token-mean", axis_name
+        )
+    return out
 
 
 def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_name, flips=None):
@@ -262,6 +288,8 @@ def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_na
     # The shape of the ratio the loss sees: percentiles of |log r|, sequence maximum, ESS.
     for name, value in losses.mismatch_shape(logp, denominator, mask, axis_name).items():
         metrics[f"mismatch/{name}"] = value
+    if "lag" in batch:
+        metrics.update(_mismatch_by_lag(logp, denominator, mask, batch["lag"], axis_name))
     if spec.decompose_mismatch:
         parts = losses.mismatch_decomposition(logp, old_logp, behavior, mask, axis_name)
         for key, value in parts.items():
