@@ -409,7 +409,8 @@ class Sampler:
         _checks.check_rank("prompts", prompts, 3)
         prompts, lengths = np.asarray(prompts), np.asarray(prompt_lengths)
         versions = np.zeros((v,), np.int32) if versions is None else np.asarray(versions, np.int32)
-        for name, got in (("prompts", prompts), ("prompt_lengths", lengths), ("versions", versions)):
+        inputs = (("prompts", prompts), ("prompt_lengths", lengths), ("versions", versions))
+        for name, got in inputs:
             if not v or got.shape[0] != v:
                 raise ValueError(
                     f"{name} must have a leading axis of {v} (one per parameter version), got "
@@ -445,8 +446,7 @@ class Sampler:
         if jnp.ndim(key) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             if jnp.shape(key) != (b,):
                 raise ValueError(
-                    f"key: per-row keys must have shape ({b},) (one per row), got "
-                    f"{jnp.shape(key)}"
+                    f"key: per-row keys must have shape ({b},) (one per row), got {jnp.shape(key)}"
                 )
             if self.router_noise:
                 raise ValueError(

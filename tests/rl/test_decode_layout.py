@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_rl_system import tiny
 
 from sat_jax.data import CharTokenizer
 from sat_jax.models import ModelConfig, init_model
@@ -19,7 +20,6 @@ from sat_jax.rl.rollout import RolloutEngine
 from sat_jax.sampling import Sampler, SamplingParams, sequence_keys
 from sat_jax.study.grid import method_config
 from sat_jax.train import learner
-from test_rl_system import tiny
 
 P, N, G = 8, 10, 2
 TOKENIZER = CharTokenizer()
@@ -146,7 +146,7 @@ def test_evaluation_in_large_calls_equals_training_shaped_calls(cfg, params, mon
     engine = _engine(cfg)
     examples = [
         {"prompt": p, "level": str(len(p))}
-        for p in ["1+2=", "33*4=", "5=", "123+45=", "9-8=", "7=", "60*61=", "2+2=", "8=", "41-1=", "0="]
+        for p in "1+2= 33*4= 5= 123+45= 9-8= 7= 60*61= 2+2= 8= 41-1= 0=".split()
     ]
     key = jax.random.key(21)
     monkeypatch.setattr(rollout, "DECODE_LAYOUT", "per_call")
