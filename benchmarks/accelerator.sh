@@ -85,12 +85,12 @@ step() {
 
 cd "$ROOT/benchmarks" || exit 1
 if [[ $SMOKE == 1 ]]; then
-  step checks 300 "$PY" device.py --only checks --size smoke --json "$OUT" || status=1
-  step trainer 300 "$PY" device.py --only trainer --size smoke --repeats 1 --json "$OUT"
+  step checks 300 "$PY" device.py --only checks --size smoke || status=1
+  step trainer 300 "$PY" device.py --only trainer --size smoke --repeats 1
   step losses 120 "$PY" losses.py --tokens 4096 --repeats 1 --no-hlo
 else
-  step checks 90 "$PY" device.py --only checks --json "$OUT" || status=1
-  step trainer 150 "$PY" device.py --only trainer --size 0.6b --repeats 5 --json "$OUT"
+  step checks 90 "$PY" device.py --only checks || status=1
+  step trainer 150 "$PY" device.py --only trainer --size 0.6b --repeats 5
   step losses 60 "$PY" losses.py --tokens $((1 << 24)) --repeats 5 --no-hlo
   step engines 90 "$PY" engines.py --batch 128 --sequences 512 --repeats 2
   step testbed_loop 80 "$PY" testbed_loop.py --steps 15 --rounds 1

@@ -11,16 +11,17 @@ replayed, float32). Each prints its largest difference and whether it is within 
 model FLOP utilisation (6 × active parameters × tokens over the step time and the device's peak
 bfloat16 FLOP/s, where the device kind is known).
 
-Prints one JSON object per part; with ``--json DIR`` also writes ``DIR/device_<part>.json``.
+Prints one JSON object per part and writes it as ``device_<part>`` like every benchmark
+(``_results``: ``benchmarks/results/`` or ``$SAT_JAX_BENCH_RESULTS``), the device named in it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
+import _results
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -207,7 +208,6 @@ def main() -> None:
     ap.add_argument("--only", choices=("checks", "trainer"), required=True)
     ap.add_argument("--size", choices=("smoke", "0.6b"), default="0.6b")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", default="", help="folder for device_<part>.json")
     args = ap.parse_args()
     head = {
         "device": jax.devices()[0].device_kind,
@@ -222,9 +222,7 @@ def main() -> None:
         body = trainer_step(args.size, args.repeats)
     out = {**head, **body}
     print(json.dumps(out, indent=1))
-    if args.json:
-        with open(os.path.join(args.json, f"device_{args.only}.json"), "w") as f:
-            json.dump(out, f, indent=1)
+    _results.write(f"device_{args.only}", out)
     if args.only == "checks" and not out["all_ok"]:
         raise SystemExit(1)
 
