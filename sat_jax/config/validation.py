@@ -215,8 +215,8 @@ def _check_optim(config) -> None:
 
 def _check_data(config) -> None:
     d = config.data
-    if d.source not in ("task", "jsonl", "tfds"):
-        _fail(f"data.source must be task|jsonl|tfds, got {d.source!r}")
+    if d.source not in ("task", "jsonl", "tfds", "reasoning_gym"):
+        _fail(f"data.source must be task|jsonl|tfds|reasoning_gym, got {d.source!r}")
     for name in ("max_prompt_len", "max_new_tokens"):
         if d[name] < 1:
             _fail(f"data.{name} must be >= 1, got {d[name]}")
@@ -226,6 +226,13 @@ def _check_data(config) -> None:
         for what, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
             if (path or what == "data.path") and not os.path.isfile(os.path.expanduser(path)):
                 _fail(f"{what} {path!r} does not exist (data.source=jsonl)")
+    if d.source == "reasoning_gym":
+        from sat_jax.data.reasoning_gym_source import check_data_config
+
+        try:
+            check_data_config(d)
+        except (ValueError, ImportError) as e:
+            _fail(str(e))
     if d.source == "tfds" and not d.tfds_name:
         _fail("data.tfds_name is required for data.source=tfds")
     for what, path in (
@@ -465,6 +472,22 @@ def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
         _fail("eval.every and checkpoint.every must be >= 0 (0 disables)")
     if config.eval.num_prompts < 1:
         _fail(f"eval.num_prompts must be >= 1, got {config.eval.num_prompts}")
+    full = full_eval_steps(config)  # raises ConfigError on a malformed list
+    if full and config.eval.full_num_prompts < config.eval.num_prompts:
+        _fail(
+            f"eval.full_num_prompts={config.eval.full_num_prompts} must be >= eval.num_prompts="
+            f"{config.eval.num_prompts}"
+        )
+    every = config.eval.every
+    missed = [
+        s for s in full if not (s == 0 or s == config.num_steps or (every and s % every == 0))
+    ]
+    if missed or (full and not every):
+        _fail(
+            f"eval.full_at={config.eval.full_at!r}: steps {missed or sorted(full)} are not "
+            f"evaluation steps (0, multiples of eval.every={every}, or num_steps="
+            f"{config.num_steps})"
+        )
     if config.checkpoint.max_to_keep < 1:
         _fail(f"checkpoint.max_to_keep must be >= 1, got {config.checkpoint.max_to_keep}")
     d = config.data
@@ -528,6 +551,21 @@ def check_data_rows(config, train_src, eval_src, tokenizer, task=None) -> None:
             )
     except ValueError as e:
         _fail(f"{what}: {e}")
+
+
+def full_eval_steps(config) -> frozenset[int]:
+    """The steps of ``eval.full_at`` (comma-separated ints in [0, num_steps]) as a set."""
+    text = str(config.eval.full_at).strip()
+    if not text:
+        return frozenset()
+    try:
+        steps = frozenset(int(t) for t in text.split(","))
+    except ValueError:
+        _fail(f"eval.full_at must be comma-separated steps like '0,250,300', got {text!r}")
+    bad = sorted(s for s in steps if not 0 <= s <= config.num_steps)
+    if bad:
+        _fail(f"eval.full_at={text!r}: steps {bad} lie outside [0, num_steps={config.num_steps}]")
+    return steps
 
 
 def plain(config) -> dict[str, Any]:
