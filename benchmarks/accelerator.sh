@@ -3,7 +3,8 @@
 # optax, orbax-checkpoint and chex already installed) or a Cloud TPU VM.
 #
 #   benchmarks/accelerator.sh OUT_DIR              # device checks, then the benchmarks (< 8 min)
-#   benchmarks/accelerator.sh --cpu-smoke OUT_DIR  # the same steps at toy sizes on a CPU (CI)
+#   benchmarks/accelerator.sh --cpu-smoke OUT_DIR  # setup and the device script at toy sizes
+#                                                  # on a CPU (CI), so none of it rots
 #
 # It uses the JAX it finds (on a TPU VM without a TPU JAX it installs jax[tpu]), installs the
 # project with --no-deps, and takes any missing pure-Python dependency from benchmarks/wheels/
@@ -54,14 +55,18 @@ def found(name):
 print(" ".join(dist for mod, dist in deps.items() if not found(mod)))
 EOF
 )
-if [[ -n "$missing" ]]; then
+if [[ -n "$missing" && "${NO_INSTALL:-0}" != 1 ]]; then
   say "installing from benchmarks/wheels: $missing"
   # shellcheck disable=SC2086  # one argument per missing distribution
   "$PY" -m pip install --quiet --no-index --find-links "$ROOT/benchmarks/wheels" $missing \
     >>"$LOG" 2>&1 || say "could not install $missing from benchmarks/wheels (make wheels)"
 fi
-"$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT" >>"$LOG" 2>&1 \
-  || say "pip install --no-deps failed; running from the tree (PYTHONPATH)"
+# NO_INSTALL=1 leaves the Python's packages alone (a shared environment); the tree is on
+# PYTHONPATH either way.
+if [[ "${NO_INSTALL:-0}" != 1 ]]; then
+  "$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT" >>"$LOG" 2>&1 \
+    || say "pip install --no-deps failed; running from the tree (PYTHONPATH)"
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export SAT_JAX_BENCH_RESULTS="$OUT"
 export GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}
@@ -87,7 +92,6 @@ cd "$ROOT/benchmarks" || exit 1
 if [[ $SMOKE == 1 ]]; then
   step checks 300 "$PY" device.py --only checks --size smoke || status=1
   step trainer 300 "$PY" device.py --only trainer --size smoke --repeats 1
-  step losses 120 "$PY" losses.py --tokens 4096 --repeats 1 --no-hlo
 else
   step checks 90 "$PY" device.py --only checks || status=1
   step trainer 150 "$PY" device.py --only trainer --size 0.6b --repeats 5

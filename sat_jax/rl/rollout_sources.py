@@ -78,9 +78,9 @@ class ScheduledRollouts:
     a power of two (so the engine compiles for at most log₂ of the prompts per step + 1 batch
     sizes; the repeats are dropped), and the batch is reassembled in prompt order. Each token's
     version is the version of the snapshot that decoded it. An engine that ``merges_rows``
-    decodes the versions' batches (each padded to the largest) in one ``vmap``'d call, each with
-    its own snapshot and key; otherwise each is its own decode. ``rollout/versions`` logs the
-    number of distinct versions in the batch.
+    decodes the versions' batches (each padded to the largest, their number to a power of two)
+    in one ``vmap``'d call, each with its own snapshot and key; otherwise each is its own
+    decode. ``rollout/versions`` logs the number of distinct versions in the batch.
 
     The store keeps exactly ``schedule.needed_after(j)`` plus the newest version, which is never
     more than ``schedule.capacity`` (k + 1 for fixed lag k, 2 for broadcast, C + 1 for sampled
@@ -163,8 +163,16 @@ class ScheduledRollouts:
         keys = [rng.key(self.seed, "rollout", step, process, v) for v in distinct]
         t1 = time.perf_counter()
         if merged:
+            # The version axis padded to a power of two (≤ the prompts) with repeats of the last
+            # version, whose outputs are dropped: few compiled shapes.
+            pad = min(1 << (len(distinct) - 1).bit_length(), n) - len(distinct)
             params = [self.view(self.store.get(v)) for v in distinct]
-            outs = self.engine.generate_versions(params, chosen, keys, distinct)
+            outs = self.engine.generate_versions(
+                params + params[-1:] * pad,
+                chosen + chosen[-1:] * pad,
+                keys + keys[-1:] * pad,
+                distinct + distinct[-1:] * pad,
+            )[: len(distinct)]
         else:
             outs = []
             for v, examples_v, key in zip(distinct, chosen, keys, strict=True):
