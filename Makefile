@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PIP_EXTRAS ?= test,hf
 
-.PHONY: install train test lint bench report
+.PHONY: install train test lint bench report wheels
 
 $(VENV)/.installed-$(PIP_EXTRAS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,3 +60,10 @@ $(TUNIX_VENV)/.installed-tunix: pyproject.toml
 
 test-tunix: $(TUNIX_VENV)/.installed-tunix
 	$(TUNIX_VENV)/bin/python -m pytest -n 0 tests/integrations
+
+# Wheels of the pure-Python dependencies a lent GPU machine lacks (it has JAX, flax, optax,
+# orbax-checkpoint and chex, and no network), for benchmarks/accelerator.sh to install from.
+# Built on a machine with network; git ignores the folder, which travels with the tree.
+WHEELS ?= ml_collections tensorboardX
+wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --dest benchmarks/wheels $(WHEELS)

@@ -73,6 +73,25 @@ ABOUT = {
         "continuous rollout engine in alternating runs from the same warm-up: steps/s, rollout "
         "against train time, and the static engine's decode work on finished rows.",
     ),
+    "study_run": (
+        "A staleness protocol run, per decode layout",
+        "a reduced run of the staleness protocol (`GRIDS['stale']`, one arm and seed; study 1's "
+        "fixed lag and study 2's sampled lag) with the per-call decode layout (evaluation in "
+        "training-shaped calls, one decode per behaviour version) and the merged one (large "
+        "evaluation calls of one shape, every version of a batch in one vmap'd decode), in "
+        "alternating runs: wall time, its phases (compile overlaps the others) and "
+        "`new_over_old` (merged over per-call wall time without the build; < 1: faster).",
+    ),
+    "device_checks": (
+        "Accelerator: device against CPU",
+        "the losses sharded over the real devices, the model's log-probs and the sampler's "
+        "behaviour log-probs on the device, each against the CPU (`benchmarks/accelerator.sh`).",
+    ),
+    "device_trainer": (
+        "Accelerator: trainer step",
+        "the trainer step on a Qwen3-MoE-shaped model with random weights: tokens/s and model "
+        "FLOP utilisation against the device's bfloat16 peak (`benchmarks/accelerator.sh`).",
+    ),
     "transformers_model_pass": (
         "Against transformers (PyTorch)",
         "the training log-prob pass (forward + backward) and KV-cache decoding of "

@@ -15,16 +15,34 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sat_jax import advantages as advantage_lib
 from sat_jax.data import evaluate as evaluate_generations
 from sat_jax.rl.batch import RolloutBatch
-from sat_jax.sampling import ContinuousSampler, DecodeState, SampleOutput, Sampler, SamplingParams
+from sat_jax.sampling import (
+    ContinuousSampler,
+    DecodeState,
+    SampleOutput,
+    Sampler,
+    SamplingParams,
+    sequence_keys,
+)
 
 Example = dict[str, Any]
 
 _log = logging.getLogger(__name__)
+
+#: How evaluation and ``sampled``-lag rollouts are laid out in decode calls: ``"merged"`` (rows
+#: from many training-shaped batches in large calls of one compiled shape; the behaviour
+#: versions of a batch in one ``vmap``'d call) or ``"per_call"`` (one call per training-shaped
+#: batch and per version). Both draw every row with the same key, so they sample the same
+#: tokens up to float rounding; ``per_call`` is the reference that the equality test and
+#: ``benchmarks/study_run.py`` run beside ``merged``.
+DECODE_LAYOUT = "merged"
+#: Rows per merged evaluation call (rounded down to whole groups; one compiled shape).
+EVAL_ROWS_PER_CALL = 1024
 
 
 @dataclasses.dataclass
@@ -69,6 +87,31 @@ class RolloutEngine:
         return self.sampler.generate(
             params, ids, lengths, key, self.sampling, version, group_size=self.group_size
         )
+
+    @property
+    def merges_rows(self) -> bool:
+        """Whether the engine decodes rows with per-row keys and batches with their own
+        parameters (``DECODE_LAYOUT == "merged"`` on the static engine without router noise)."""
+        sampler = self.sampler
+        return (
+            DECODE_LAYOUT == "merged" and isinstance(sampler, Sampler) and not sampler.router_noise
+        )
+
+    def generate_versions(self, params, example_sets, keys, versions) -> list[SampleOutput]:
+        """``generate(params[i], example_sets[i], keys[i], versions[i])`` for every i, as one
+        decode (``Sampler.generate_versions``); the sets hold equally many examples."""
+        ids, lengths = self.encode([ex for examples in example_sets for ex in examples])
+        v = len(example_sets)
+        out = self.sampler.generate_versions(
+            params,
+            ids.reshape(v, -1, ids.shape[-1]),
+            lengths.reshape(v, -1),
+            jnp.stack(keys),
+            self.sampling,
+            versions,
+            group_size=self.group_size,
+        )
+        return [jax.tree.map(lambda a, i=i: a[i], out) for i in range(v)]
 
     def completions(self, out: SampleOutput) -> list[str]:
         response = np.asarray(out.tokens)[:, self.sampler.max_prompt_len :]
@@ -133,24 +176,68 @@ def evaluate(
     """pass@1, avg@G and unbiased pass@G on held-out prompts (G = the engine's group size), and
     pass@1 per difficulty level (``pass@1/LEVEL``) when the examples carry one.
 
-    Scoring and metrics are ``sat_jax.data.evaluate``'s; this supplies the generator. Batches keep
-    the training shape (``prompts_per_batch`` × G), so evaluation reuses the compiled sampler; the
-    last batch is padded with repeats whose completions are discarded. For 0/1 rewards pass@1 and
-    avg@G are the same number (the mean reward).
+    Scoring and metrics are ``sat_jax.data.evaluate``'s; this supplies the completions. The
+    prompts are taken in batches of the training shape (``prompts_per_batch`` × G rows), batch c
+    keyed ``fold_in(key, c)`` and its rows numbered from 0 (``sat_jax.sampling.token_keys``); the
+    last batch is padded with repeats whose completions are discarded. On an engine that
+    ``merges_rows`` the rows of all batches are decoded in calls of ``EVAL_ROWS_PER_CALL`` rows
+    (prompts of similar length together, so a call stops when its longest response ends), each
+    row with its own batch's key: the same samples, in fewer and larger calls. For 0/1 rewards
+    pass@1 and avg@G are the same number (the mean reward).
     """
     g = engine.group_size
-    calls = itertools.count()
+    if engine.merges_rows:
+        texts = _merged_completions(engine, params, examples, prompts_per_batch, key, version)
+        generate, batch_size = (lambda prompts: texts), len(examples)
+    else:
+        calls = itertools.count()
 
-    def generate(prompts: list[str]) -> list[list[str]]:
-        batch = [{"prompt": p} for p in prompts]
-        real = len(batch)
-        batch += [batch[-1]] * (prompts_per_batch - real)
-        out = engine.generate(params, batch, jax.random.fold_in(key, next(calls)), version)
-        texts = engine.completions(out)
-        return [texts[i * g : (i + 1) * g] for i in range(real)]
+        def generate(prompts: list[str]) -> list[list[str]]:
+            batch = [{"prompt": p} for p in prompts]
+            real = len(batch)
+            batch += [batch[-1]] * (prompts_per_batch - real)
+            out = engine.generate(params, batch, jax.random.fold_in(key, next(calls)), version)
+            texts = engine.completions(out)
+            return [texts[i * g : (i + 1) * g] for i in range(real)]
 
+        batch_size = prompts_per_batch
     res = evaluate_generations(
-        generate, examples, g, batch_size=prompts_per_batch, reward_fn=engine.reward_fn
+        generate, examples, g, batch_size=batch_size, reward_fn=engine.reward_fn
     )
     keep = ("pass@1", f"avg@{g}", f"pass@{g}")
     return {name: float(v) for name, v in res.items() if name in keep or name.startswith("pass@1/")}
+
+
+def _merged_completions(
+    engine: RolloutEngine, params, examples, prompts_per_batch: int, key, version: int
+) -> list[list[str]]:
+    """The G completions of every example, in example order, decoded in large calls with the keys
+    of the training-shaped batches (``evaluate``)."""
+    g, n = engine.group_size, len(examples)
+    ids, lengths = engine.encode(examples)
+    prompt = np.arange(n)
+    # Prompt p is group p % prompts_per_batch of batch p // prompts_per_batch.
+    batch_keys = sequence_keys(key, np.repeat(prompt // prompts_per_batch, g))
+    row_ids = (prompt % prompts_per_batch)[:, None] * g + np.arange(g)[None, :]
+    keys = sequence_keys(batch_keys, row_ids.ravel())
+    per_call = max(1, min(EVAL_ROWS_PER_CALL // g, n))
+    order = np.argsort(lengths[::g], kind="stable")
+    texts: list[list[str]] = [[] for _ in range(n)]
+    for start in range(0, n, per_call):
+        chosen = order[start : start + per_call]
+        # Padded with repeats of the last prompt (discarded): one compiled shape for every call.
+        chosen = np.concatenate([chosen, np.repeat(chosen[-1:], per_call - len(chosen))])
+        rows = (chosen[:, None] * g + np.arange(g)[None, :]).ravel()
+        out = engine.sampler.generate(
+            params,
+            ids[rows],
+            lengths[rows],
+            keys[rows],
+            engine.sampling,
+            version,
+            group_size=g,
+        )
+        done = engine.completions(out)
+        for i, p in enumerate(chosen[: min(per_call, n - start)]):
+            texts[p] = done[i * g : (i + 1) * g]
+    return texts

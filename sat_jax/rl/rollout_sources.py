@@ -73,12 +73,14 @@ class ScheduledRollouts:
 
     ``sampled``: the groups of batch j are sampled by their own versions
     ``schedule.group_versions(j, groups, seed)`` (drawn over the global batch; each process takes
-    its share). The groups of one version are decoded together with the key
-    ``rng.key(seed, "rollout", j, process, version)``, padded with repeats of their last group to
+    its share). The groups of one version form one batch keyed
+    ``rng.key(seed, "rollout", j, process, version)``, padded with repeats of its last group to
     a power of two (so the engine compiles for at most log₂ of the prompts per step + 1 batch
     sizes; the repeats are dropped), and the batch is reassembled in prompt order. Each token's
-    version is the version of the snapshot that decoded it. The rollout takes one decode per
-    distinct version in the batch (logged as ``rollout/versions``).
+    version is the version of the snapshot that decoded it. An engine that ``merges_rows``
+    decodes the versions' batches (each padded to the largest, their number to a power of two)
+    in one ``vmap``'d call, each with its own snapshot and key; otherwise each is its own
+    decode. ``rollout/versions`` logs the number of distinct versions in the batch.
 
     The store keeps exactly ``schedule.needed_after(j)`` plus the newest version, which is never
     more than ``schedule.capacity`` (k + 1 for fixed lag k, 2 for broadcast, C + 1 for sampled
@@ -148,24 +150,42 @@ class ScheduledRollouts:
         versions = self.schedule.group_versions(step, n * jax.process_count(), self.seed)
         versions = versions[process * n : (process + 1) * n]
         t0 = time.perf_counter()
-        parts, order, generate_s = [], [], 0.0
-        for version in (int(v) for v in np.unique(versions)):
-            groups = np.flatnonzero(versions == version)
-            size = min(1 << int(len(groups) - 1).bit_length(), n)
-            chosen = [examples[i] for i in groups] + [examples[groups[-1]]] * (size - len(groups))
-            t1 = time.perf_counter()
-            out = self.engine.generate(
-                self.view(self.store.get(version)),
-                chosen,
-                rng.key(self.seed, "rollout", step, process, version),
-                version,
-            )
-            jax.block_until_ready(out.tokens)
-            generate_s += time.perf_counter() - t1
-            rows = len(groups) * self.engine.group_size
-            parts.append(self.engine.score(chosen, out).select(slice(0, rows)))
-            order.extend(groups)
-        batch = _in_prompt_order(parts, np.asarray(order), self.engine.group_size)
+        distinct = [int(v) for v in np.unique(versions)]
+        groups = [np.flatnonzero(versions == v) for v in distinct]
+        sizes = [min(1 << int(len(g) - 1).bit_length(), n) for g in groups]
+        merged = self.engine.merges_rows
+        if merged:  # one vmap'd decode: every version's batch padded to the largest
+            sizes = [max(sizes)] * len(sizes)
+        chosen = [
+            [examples[i] for i in g] + [examples[g[-1]]] * (size - len(g))
+            for g, size in zip(groups, sizes, strict=True)
+        ]
+        keys = [rng.key(self.seed, "rollout", step, process, v) for v in distinct]
+        t1 = time.perf_counter()
+        if merged:
+            # The version axis padded to a power of two (≤ the prompts) with repeats of the last
+            # version, whose outputs are dropped: few compiled shapes.
+            pad = min(1 << (len(distinct) - 1).bit_length(), n) - len(distinct)
+            params = [self.view(self.store.get(v)) for v in distinct]
+            outs = self.engine.generate_versions(
+                params + params[-1:] * pad,
+                chosen + chosen[-1:] * pad,
+                keys + keys[-1:] * pad,
+                distinct + distinct[-1:] * pad,
+            )[: len(distinct)]
+        else:
+            outs = []
+            for v, examples_v, key in zip(distinct, chosen, keys, strict=True):
+                outs.append(self.engine.generate(self.view(self.store.get(v)), examples_v, key, v))
+                jax.block_until_ready(outs[-1].tokens)
+        jax.block_until_ready([out.tokens for out in outs])
+        generate_s = time.perf_counter() - t1
+        g = self.engine.group_size
+        parts = [
+            self.engine.score(examples_v, out).select(slice(0, len(rows) * g))
+            for examples_v, out, rows in zip(chosen, outs, groups, strict=True)
+        ]
+        batch = _in_prompt_order(parts, np.concatenate(groups), g)
         metrics = {
             "time/rollout_s": time.perf_counter() - t0,
             "time/queue_wait_s": 0.0,

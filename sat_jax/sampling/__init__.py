@@ -4,7 +4,13 @@ with one output type: the static batch (``Sampler``, the reference) and continuo
 (``ContinuousSampler``: decode slots refilled as responses finish)."""
 
 from sat_jax.sampling.continuous import ContinuousSampler, FinishedGroup, Session, concat_outputs
-from sat_jax.sampling.sampler import DecodeState, SampleOutput, Sampler, SamplingParams
+from sat_jax.sampling.sampler import (
+    DecodeState,
+    SampleOutput,
+    Sampler,
+    SamplingParams,
+    sequence_keys,
+)
 from sat_jax.sampling.truncation import support_cutoff
 
 __all__ = [
@@ -16,5 +22,6 @@ __all__ = [
     "SamplingParams",
     "Session",
     "concat_outputs",
+    "sequence_keys",
     "support_cutoff",
 ]

@@ -28,6 +28,12 @@ groups). A token's key therefore depends on nothing but (prompt, sample, positio
 decoding is split into chunks, on the batch it shares, or (in the continuous engine,
 ``sat_jax.sampling.continuous``) on the slot, admission order or slot count, and both engines
 draw the same tokens from the same key.
+
+A batch may instead carry one key per row (``sequence_keys``: row b's ``fold_in(key, n)`` taken
+beforehand), so rows cut from several batches decode together and still draw the tokens their
+own batches would: one call for many prompts (evaluation), in any row order.
+``generate_versions`` decodes V equally sized batches, each with its own parameters, key and
+version, as one ``vmap``'d call: each batch computes what its own ``generate`` call would.
 """
 
 from __future__ import annotations
@@ -63,9 +69,23 @@ class SamplingParams(NamedTuple):
 
 def token_keys(key: jax.Array, sequence_ids: jax.Array, positions: jax.Array) -> jax.Array:
     """[B] PRNG keys of the tokens at response ``positions`` [B] of sequences ``sequence_ids`` [B]:
-    ``fold_in(fold_in(key, n), j)``, the one rule both engines sample with."""
+    ``fold_in(fold_in(key, n), j)``, the one rule both engines sample with. ``key`` may also be
+    [B] per-row keys (``sequence_keys``), whose ``fold_in(key, n)`` is already taken."""
+    positions = positions.astype(jnp.uint32)
+    if jnp.ndim(key):
+        return jax.vmap(jax.random.fold_in)(key, positions)
     fold = lambda n, j: jax.random.fold_in(jax.random.fold_in(key, n), j)  # noqa: E731
-    return jax.vmap(fold)(sequence_ids.astype(jnp.uint32), positions.astype(jnp.uint32))
+    return jax.vmap(fold)(sequence_ids.astype(jnp.uint32), positions)
+
+
+def sequence_keys(key: jax.Array, sequence_ids) -> jax.Array:
+    """[B] per-row keys ``fold_in(key, n)`` of sequences ``sequence_ids`` [B] of a batch keyed
+    ``key``: passed as a batch's key, row b draws what row ``sequence_ids[b]`` of ``key``'s
+    batch draws (``token_keys``). ``key`` may be [B] too (each row's batch key)."""
+    ids = jnp.asarray(sequence_ids, jnp.uint32)
+    if jnp.ndim(key):
+        return jax.vmap(jax.random.fold_in)(key, ids)
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, ids)
 
 
 def sample_next(
@@ -192,6 +212,12 @@ def _shared_jit(sampler):
         lambda: (
             jax.jit(sampler._prefill_impl, static_argnums=6),
             jax.jit(sampler._decode_impl),
+            # Over a leading axis of V batches: parameters, inputs, key and version per batch.
+            jax.jit(
+                jax.vmap(sampler._prefill_impl, in_axes=(0, 0, 0, 0, 0, None, None, 0)),
+                static_argnums=6,
+            ),
+            jax.jit(jax.vmap(sampler._decode_impl, in_axes=(0, 0, None, 0))),
         ),
     )
 
@@ -260,7 +286,7 @@ class Sampler:
         self.max_new_tokens = int(max_new_tokens)
         self.eos_id, self.pad_id = int(eos_id), int(pad_id)
         self.router_noise = float(router_noise)
-        self._prefill, self._decode = _shared_jit(self)
+        self._prefill, self._decode, self._prefill_v, self._decode_v = _shared_jit(self)
 
     # ------------------------------------------------------------------ public API
 
@@ -281,7 +307,8 @@ class Sampler:
           params: float32 parameter ``nnx.State`` (cast to the engine dtype at use).
           prompts: [B, W] int, right-padded, W ≤ max_prompt_len.
           prompt_lengths: [B] int in [1, W].
-          key: PRNG key of the whole rollout.
+          key: PRNG key of the whole rollout, or [B] typed per-row keys (``sequence_keys``; not
+            with ``router_noise``, which draws from one batch key).
           sampling: ``SamplingParams`` (default: temperature 1, no truncation).
           group_size: G ≥ 1 dividing B: the rows are groups of G consecutive copies of one prompt
             (a GRPO batch). The prefill then runs each prompt once and copies its KV cache and
@@ -294,6 +321,7 @@ class Sampler:
         tokens, mask, lengths = self._layout(prompts, prompt_lengths)
         group_size = self._check_groups(tokens, mask, group_size)
         limits = self.check_limits(max_lengths, tokens.shape[0])
+        key = self._check_key(key, tokens.shape[0])
         sp = traced_sampling(sampling)
         return self._prefill(
             params, tokens, mask, lengths, key, sp, group_size, jnp.asarray(limits)
@@ -355,7 +383,76 @@ class Sampler:
         )
         return self.finalize(self.decode(params, state, version=version))
 
+    def generate_versions(
+        self,
+        params,
+        prompts,
+        prompt_lengths,
+        keys: jax.Array,
+        sampling: SamplingParams | None = None,
+        versions=None,
+        *,
+        group_size: int = 1,
+    ) -> SampleOutput:
+        """V batches of B rows in one ``vmap``'d decode, batch i with its own parameters, key
+        and version: the fields stacked on a leading axis [V, ...], batch i equal to
+        ``generate(params[i], prompts[i], prompt_lengths[i], keys[i], sampling, versions[i],
+        group_size=group_size)`` (one program for every batch, compiled once per (V, B)).
+
+        Args:
+          params: V parameter ``nnx.State`` of one structure.
+          prompts: [V, B, W] int, right-padded; prompt_lengths: [V, B].
+          keys: [V] PRNG keys, one per batch.
+          versions: [V] int parameter versions (default 0).
+        """
+        v = len(params)
+        _checks.check_rank("prompts", prompts, 3)
+        prompts, lengths = np.asarray(prompts), np.asarray(prompt_lengths)
+        versions = np.zeros((v,), np.int32) if versions is None else np.asarray(versions, np.int32)
+        inputs = (("prompts", prompts), ("prompt_lengths", lengths), ("versions", versions))
+        for name, got in inputs:
+            if not v or got.shape[0] != v:
+                raise ValueError(
+                    f"{name} must have a leading axis of {v} (one per parameter version), got "
+                    f"shape {got.shape}"
+                )
+        if jnp.shape(keys) != (v,):
+            raise ValueError(f"keys must be [{v}] PRNG keys, got shape {jnp.shape(keys)}")
+        layouts = [self._layout(prompts[i], lengths[i]) for i in range(v)]
+        for tokens, mask, _ in layouts:
+            self._check_groups(tokens, mask, group_size)
+        tokens, mask, lengths = (jnp.stack(parts) for parts in zip(*layouts, strict=True))
+        limits = np.broadcast_to(self.check_limits(None, tokens.shape[1]), tokens.shape[:2])
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *params)
+        state = self._prefill_v(
+            stacked,
+            tokens,
+            mask,
+            lengths,
+            keys,
+            traced_sampling(sampling),
+            int(group_size),
+            jnp.asarray(limits),
+        )
+        state = self._decode_v(
+            stacked, state, jnp.asarray(self.max_new_tokens, jnp.int32), jnp.asarray(versions)
+        )
+        return jax.vmap(self.finalize)(state)
+
     # ------------------------------------------------------------------ internals
+
+    def _check_key(self, key, b: int):
+        """``key`` itself: one PRNG key, or [b] typed per-row keys (no router noise)."""
+        if jnp.ndim(key) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            if jnp.shape(key) != (b,):
+                raise ValueError(
+                    f"key: per-row keys must have shape ({b},) (one per row), got {jnp.shape(key)}"
+                )
+            if self.router_noise:
+                raise ValueError(
+                    "key: per-row keys cannot key router_noise, which draws from one batch key"
+                )
+        return key
 
     def _noise(self, key, index):
         """``(key, std)`` of the router noise of one forward (prefill: index N, decode step i:
