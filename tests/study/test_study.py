@@ -18,7 +18,7 @@ from sat_jax import cli
 from sat_jax import config as config_lib
 from sat_jax.config import presets
 from sat_jax.study import grid as study_grid
-from sat_jax.study import report, runner, stats
+from sat_jax.study import report, runner, stats, tables
 from sat_jax.train import components
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,7 +134,7 @@ def test_the_stale_grid_is_the_protocol(tmp_path):
         for m in ("gspo", "sat_gspo", "gspo_tight")
         for lag in (1, 4)
     ]
-    eps = study_grid.STALE_TIGHT_EPS
+    eps = study_grid.load_study(os.path.join(study_grid.STUDIES_DIR, "stale.py"))["STALE_TIGHT_EPS"]
     for spec, c in runs:
         assert (spec.lag_mode, c.lag_mode, c.lag, c.seed) == ("fixed", "fixed", spec.lag, spec.seed)
         assert c.loss.objective == study_grid.METHODS[spec.method][0] and c.loss.r3 is False
@@ -162,6 +162,36 @@ def test_the_stale_rerun_is_the_protocol_on_seeds_12_to_19(tmp_path):
         assert db.pop("seed") == da.pop("seed") + 8
         del da["workdir"], db["workdir"]
         assert cb.workdir.endswith(b.name) and da == db
+
+
+def test_every_study_file_loads_and_its_grids_expand(tmp_path):
+    """Each file under configs/studies/ defines grids named as its keys, which the protocol it
+    belongs to names, and which resolve and expand into distinct runs; a bad file is refused."""
+    files = sorted(f for f in os.listdir(study_grid.STUDIES_DIR) if f.endswith(".py"))
+    assert "stale.py" in files
+    names = []
+    for f in files:
+        grids = study_grid.load_study(os.path.join(study_grid.STUDIES_DIR, f))["GRIDS"]
+        for name, grid in grids.items():
+            assert study_grid.resolve(name) == grid
+            runs = study_grid.expand(grid, str(tmp_path))
+            assert (
+                len({c.workdir for _, c in runs})
+                == len(runs)
+                == (len(grid.methods) * len(grid.lags) * len(grid.lrs or (None,)) * grid.seeds)
+            )
+            names.append(name)
+    assert sorted(study_grid.study_grids()) == sorted(names)
+    assert {"stale-phase0", "stale", "stale-rerun"} <= set(names)
+    with open(os.path.join(ROOT, "docs", "results", "stale", "PROTOCOL.md"), encoding="utf-8") as f:
+        assert "configs/studies/stale.py" in f.read()
+    bad = tmp_path / "bad.py"
+    bad.write_text("from sat_jax.study.grid import GRIDS as _G\nGRIDS = {'other': _G['core']}\n")
+    with pytest.raises(ValueError, match="must be a Grid named 'other'"):
+        study_grid.load_study(str(bad))
+    bad.write_text("X = 1\n")
+    with pytest.raises(ValueError, match="needs GRIDS"):
+        study_grid.load_study(str(bad))
 
 
 def test_a_grid_fixes_its_own_lag_mode_and_an_explicit_one_wins(tmp_path):
@@ -524,10 +554,10 @@ def test_summarize_run_hand_computed():
 
 
 def test_markdown_table():
-    assert stats.markdown_table(["a", "b"], [[1, "x|y"]]) == "| a | b |\n|---|---|\n| 1 | x\\|y |"
+    assert tables.markdown_table(["a", "b"], [[1, "x|y"]]) == "| a | b |\n|---|---|\n| 1 | x\\|y |"
     with pytest.raises(ValueError, match="1 cells for 2 headers"):
-        stats.markdown_table(["a", "b"], [[1]])
-    assert stats.fmt_paired({"n": 3, "mean": 0.1, "lo": -0.05, "hi": 0.25, "wins": 2}) == (
+        tables.markdown_table(["a", "b"], [[1]])
+    assert tables.fmt_paired({"n": 3, "mean": 0.1, "lo": -0.05, "hi": 0.25, "wins": 2}) == (
         "+0.100 [-0.050, +0.250] (n=3, 2/3 up)"
     )
 
