@@ -3,33 +3,13 @@ prompt-source build (one task), one lag schedule, one row check of the data."""
 
 import sys
 
+from _tiny_models import TINY_RUN
 from absl import flags
 
 from sat_jax import cli
 from sat_jax.rl.lag import LagSchedule
 
-TINY = (
-    "num_steps=1",
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=16",
-    "model.num_experts=4",
-    "model.num_experts_per_tok=2",
-    "model.moe_intermediate_size=16",
-    "rollout.prompts_per_step=4",
-    "rollout.group_size=4",
-    "data.max_new_tokens=4",
-    "sft.steps=0",
-    "eval.every=0",
-    "eval.num_prompts=8",
-    "checkpoint.every=0",
-    "log.plots=False",
-    "log.tensorboard=False",
-    "log.progress=False",
-    "mesh.data=1",
-)
+TINY = (*TINY_RUN, "num_steps=1", "sft.steps=0", "eval.every=0", "log.progress=false")
 
 
 def _count_calls(monkeypatch, module, name: str) -> list:
