@@ -155,7 +155,7 @@ def breakdown(workdir: str, lag: int, repeats: int) -> dict:
 
     def loss(p, b):
         return trainer.policy_loss(
-            p, b, extra, graphdef=graphdef, spec=spec, prompt_width=pw, axis_name=None, share=share
+            p, b, extra, graphdef=graphdef, spec=spec, prompt_width=pw, share=share
         )
 
     def update(grads, opt_state, p):

@@ -78,8 +78,9 @@ _GRID = flags.DEFINE_string(
     "Study grid to run: paper (Table 1's 13 methods), "
     "core (GRPO, GSPO, DPPO, SAT-GRPO, SAT-GSPO; R3 as the paper's best "
     "runs), envelope (GRPO and SAT-GRPO over learning rate × lag), "
-    "stale-phase0 (the staleness study's calibration), stale (its counted runs: "
-    "docs/results/stale) or stale-rerun (the same on seeds 12-19).",
+    "or a study file's grid (configs/studies/*.py): stale-phase0 (the staleness study's "
+    "calibration), stale (its counted runs: docs/results/stale) or stale-rerun (the same on "
+    "seeds 12-19).",
 )
 _SEEDS = flags.DEFINE_integer("seeds", None, "Seeds 0..N-1 per cell (compare --grid; default 3).")
 _LAGS = flags.DEFINE_string(
@@ -274,7 +275,9 @@ def main(argv):
     if command == "config":
         print(config)
     try:
-        validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
+        checked = validate(
+            config, num_devices=jax.device_count(), num_processes=jax.process_count()
+        )
     except ConfigError as e:
         return _fail(str(e))
     if command == "config":
@@ -284,7 +287,7 @@ def main(argv):
 
     if command == "eval":
         try:
-            result = learner.evaluate_run(config)
+            result = learner.evaluate_run(config, checked=checked)
         except (FileNotFoundError, learner.WorkdirNotShared) as e:
             return _fail(str(e))
         if parallel.is_primary():
@@ -292,7 +295,7 @@ def main(argv):
         return 0
 
     try:
-        summary = learner.train(config, max_steps=_MAX_STEPS.value)
+        summary = learner.train(config, max_steps=_MAX_STEPS.value, checked=checked)
     except (
         learner.ResumeError,
         learner.WorkdirLocked,
@@ -368,9 +371,12 @@ def compare_grid(rest: list[str]) -> int:
         # An explicit --lag_mode wins; else the grid's own (a protocol's), else the flag's default.
         lag_mode = _LAG_MODE.value if _LAG_MODE.present else grid.lag_mode or _LAG_MODE.value
         runs = study_grid.expand(grid, out, lag_mode=lag_mode, overrides=_SET.value)
+        checked = {}  # workdir -> what validating the run's config built, handed to its run
         for spec, config in runs:
             try:
-                validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
+                checked[config.workdir] = validate(
+                    config, num_devices=jax.device_count(), num_processes=jax.process_count()
+                )
             except ConfigError as e:
                 raise ValueError(f"run {spec.name}: {e}") from None
     except ValueError as e:
@@ -411,7 +417,12 @@ def compare_grid(rest: list[str]) -> int:
         # results.md and results.csv after every run (plots at the end): a long grid can be read
         # while it runs.
         invocation = runner.run_all(
-            runs, fatal=learner.ResumeError, after_run=lambda progress: write(progress, plots=False)
+            runs,
+            train=lambda config: learner.train(
+                config, quiet=True, checked=checked.pop(config.workdir)
+            ),
+            fatal=learner.ResumeError,
+            after_run=lambda progress: write(progress, plots=False),
         )
         if invocation["failed"]:
             status = 1

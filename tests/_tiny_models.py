@@ -71,3 +71,25 @@ def tiny_run(config, workdir, cache_dir):
     c.log.plots = c.log.tensorboard = c.log.progress = False
     c.mesh.data = 1
     return c
+
+
+#: ``KEY=VALUE`` config fields that shrink the built-in run to seconds on a CPU (the same code
+#: paths), for the tests that start ``sat-jax`` itself.
+TINY_RUN = (
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=16",
+    "model.num_experts=4",
+    "model.num_experts_per_tok=2",
+    "model.moe_intermediate_size=16",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "data.max_new_tokens=4",
+    "eval.num_prompts=8",
+    "checkpoint.every=0",
+    "log.plots=false",
+    "log.tensorboard=false",
+    "mesh.data=1",
+)

@@ -3,8 +3,10 @@
 * :func:`validate` rejects an impossible config before any compute, asking each owner: lag modes
   and their bounds from ``sat_jax.rl.lag``, objectives, corrections and their hyper-parameters from
   the loss registry (each loss's own checks run under ``jax.eval_shape``, nothing compiles),
-  advantage estimators from ``sat_jax.advantages``, model fields from ``ModelConfig``, snapshot
-  placements from the store.
+  advantage estimators from ``sat_jax.advantages``, model fields from ``ModelConfig``, sampling,
+  router noise and decode slots from the samplers, snapshot placements from the store, the data
+  from its sources. It returns what it built on the way (:class:`Checked`: the loss spec, the lag
+  schedule, the prompt sources), which the run uses instead of building them again.
 * :func:`loss_kwargs` maps ``config.loss`` onto a loss's keywords, which the registry reads from
   its signature: keyword ``h`` of loss ``name`` comes from ``loss.<name>_<h>`` if the config has
   that field (``loss.spo_eps``, ``loss.tis_cap``), else from ``loss.<h>`` (shared by every loss
@@ -16,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import math
@@ -31,6 +34,8 @@ from sat_jax.rl import lag as lag_lib
 from sat_jax.rl import trainer
 from sat_jax.rl.sft import SCHEDULES as SFT_SCHEDULES
 from sat_jax.rl.snapshots import PLACEMENTS
+from sat_jax.sampling.continuous import check_slots
+from sat_jax.sampling.sampler import check_router_noise, check_sampling
 
 #: The rollout engine's compute dtypes (``rollout.dtype``).
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
@@ -61,6 +66,31 @@ class ConfigError(ValueError):
 
     def __init__(self, msg: str):
         super().__init__(f"invalid config: {msg}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """The plain arguments a run is built from, as :func:`validate` built them while checking.
+
+    Attributes:
+      spec: the trainer's loss arguments (:func:`loss_spec`).
+      schedule: the lag schedule (:func:`lag_schedule`).
+      sources: ``(train, held-out, task or None)`` of ``config.data``, or None where the run builds
+        them (TFDS and file sources read with a tokenizer validation does not load).
+      rows_checked: the sources' rows were checked against the run's tokenizer
+        (:func:`check_data_rows`), so the run need not check them again.
+    """
+
+    spec: trainer.LossSpec
+    schedule: lag_lib.LagSchedule
+    sources: tuple | None = None
+    rows_checked: bool = False
+
+
+def unchecked(config) -> Checked:
+    """:class:`Checked` for a config the caller vouches for (validated elsewhere, or a test's):
+    the spec and schedule, no sources."""
+    return Checked(spec=loss_spec(config), schedule=lag_schedule(config))
 
 
 def _config_key(loss_config, name: str, hparam: str) -> str | None:
@@ -213,15 +243,15 @@ def _check_optim(config) -> None:
         _fail(f"optim.max_nonfinite_steps must be an int >= 1, got {n!r}")
 
 
-def _check_data(config) -> None:
+def _check_data(config) -> tuple | None:
+    """The data settings; returns the built-in task's sources (built here once), else None."""
     d = config.data
     if d.source not in ("task", "jsonl", "tfds", "reasoning_gym"):
         _fail(f"data.source must be task|jsonl|tfds|reasoning_gym, got {d.source!r}")
     for name in ("max_prompt_len", "max_new_tokens"):
         if d[name] < 1:
             _fail(f"data.{name} must be >= 1, got {d[name]}")
-    if d.source == "task":
-        _check_task_lengths(config)
+    sources = _task_sources(config) if d.source == "task" else None
     if d.source == "jsonl":
         for what, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
             if (path or what == "data.path") and not os.path.isfile(os.path.expanduser(path)):
@@ -245,6 +275,7 @@ def _check_data(config) -> None:
         _fail("model.hf_path needs the checkpoint's tokenizer: set data.tokenizer to its directory")
     if d.chat_template:
         _check_chat_eos(d)
+    return sources
 
 
 def _check_chat_eos(d) -> None:
@@ -298,20 +329,22 @@ def _check_mesh_divides(config, sizes: dict[str, int]) -> None:
         _fail(f"mesh ({axes}) does not fit the model: {e}")
 
 
-def _check_task_lengths(config) -> None:
-    """The built-in task builds, and its longest prompt (with BOS) and longest supervised
-    response (with EOS) fit data.max_prompt_len and data.max_new_tokens under the character
-    tokenizer (one token per character); other tokenizers are checked when the source is built."""
-    from sat_jax.data import task_from_config
+def _task_sources(config) -> tuple:
+    """The built-in task's sources: the task builds, and its longest prompt (with BOS) and longest
+    supervised response (with EOS) fit data.max_prompt_len and data.max_new_tokens under the
+    character tokenizer (one token per character); other tokenizers are checked when the run
+    loads them."""
+    from sat_jax.data import build_sources
 
     d = config.data
     try:
-        task = task_from_config(d)
+        sources = build_sources(d)
     except (ValueError, KeyError, TypeError) as e:
         where = f"data.task={d.task!r}" + (f", data.mixture={d.mixture!r}" if d.mixture else "")
         _fail(f"{where}: {e}")
+    task = sources[2]
     if d.tokenizer != "char":
-        return
+        return sources
     for field, need, what in (
         ("max_prompt_len", task.max_prompt_chars + 1, "prompt (BOS included)"),
         ("max_new_tokens", task.max_target_chars + 1, "response (EOS included)"),
@@ -321,6 +354,7 @@ def _check_task_lengths(config) -> None:
                 f"data.{field}={d[field]} is shorter than task {task.name!r}'s longest {what}, "
                 f"{need} tokens: set data.{field} >= {need}"
             )
+    return sources
 
 
 def _check_rollout(config, num_devices: int, num_processes: int) -> None:
@@ -332,16 +366,11 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
         _fail(f"rollout.prompts_per_step={p} (global) must divide over {num_processes} processes")
     if r.dtype not in ROLLOUT_DTYPES:
         _fail(f"rollout.dtype must be one of {ROLLOUT_DTYPES}, got {r.dtype!r}")
-    noise = r.router_noise
-    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not noise >= 0:
-        _fail(f"rollout.router_noise must be a float >= 0 (0: off), got {noise!r}")
-    if not math.isfinite(noise):
-        _fail(f"rollout.router_noise must be finite, got {noise!r}")
-    if not 0 < r.top_p <= 1 or not (r.temperature > 0 and math.isfinite(r.temperature)):
-        _fail(
-            f"rollout.top_p must be in (0, 1] and rollout.temperature finite and > 0 (inf would "
-            f"sample uniformly), got {r.top_p}, {r.temperature}"
-        )
+    try:  # the samplers' own rules, named by their config fields
+        check_router_noise(r.router_noise, prefix="rollout.")
+        check_sampling(r.temperature, r.top_p, prefix="rollout.")
+    except ValueError as e:
+        _fail(str(e))
     t = r.stream_timeout_s
     if isinstance(t, bool) or not isinstance(t, int | float) or not (t > 0 and math.isfinite(t)):
         _fail(f"rollout.stream_timeout_s must be a finite number of seconds > 0, got {t!r}")
@@ -365,11 +394,11 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
             f"rollout.router_noise={r.router_noise} needs rollout.engine=static: the noise is "
             "drawn per batch, not per sequence"
         )
-    if r.engine == "continuous" and 0 < r.num_slots < g:
-        _fail(
-            f"rollout.num_slots={r.num_slots} is fewer than rollout.group_size={g}: a prompt's "
-            "samples decode in that many slots at once"
-        )
+    if r.engine == "continuous" and r.num_slots > 0:  # 0: one slot per sequence of a step
+        try:
+            check_slots(r.num_slots, g, prefix="rollout.")
+        except ValueError as e:
+            _fail(str(e))
     m = config.mesh
     if m.rollout_device >= 0 and num_processes > 1:
         _fail(
@@ -411,15 +440,15 @@ def lag_schedule(config) -> lag_lib.LagSchedule:
     return lag_lib.LagSchedule(config.lag_mode, config.lag, config.lag_dist, config.lag_cap)
 
 
-def _check_lag(config) -> None:
+def _check_lag(config, spec: trainer.LossSpec) -> lag_lib.LagSchedule:
+    """The lag schedule (its own checks) and the lag modes the loss ``spec`` allows."""
     if config.lag_dist not in lag_lib.DISTRIBUTIONS:
         _fail(f"lag_dist must be one of {lag_lib.DISTRIBUTIONS}, got {config.lag_dist!r}")
     try:
-        lag_schedule(config)
+        schedule = lag_schedule(config)
     except (ValueError, TypeError) as e:
         extra = f", lag_cap={config.lag_cap}" if config.lag_mode == "sampled" else ""
         _fail(f"lag_mode={config.lag_mode!r}, lag={config.lag}{extra}: {e}")
-    spec = loss_spec(config)
     if config.lag_mode == "sampled" and spec.needs_old:
         _fail(
             "lag_mode='sampled' mixes behaviour versions within a batch, but the loss recomputes "
@@ -431,10 +460,12 @@ def _check_lag(config) -> None:
             f"log.decompose_mismatch needs one behaviour version per batch (lag_mode fixed or "
             f"broadcast), got lag_mode={config.lag_mode!r}"
         )
+    return schedule
 
 
-def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
-    """Rejects impossible settings with one :class:`ConfigError`, before any compute."""
+def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> Checked:
+    """Rejects impossible settings with one :class:`ConfigError`, before any compute; returns
+    what it built on the way, for the run (``sat_jax.train``) to use."""
     if config.num_steps < 1:
         _fail(f"num_steps must be >= 1, got {config.num_steps}")
     seed = config.seed
@@ -449,10 +480,12 @@ def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
     if config.snapshot_placement not in PLACEMENTS:
         _fail(f"snapshot_placement must be one of {PLACEMENTS}, got {config.snapshot_placement!r}")
     _check_loss(config)
-    _check_lag(config)  # after the loss: which lag modes fit depends on what the loss recomputes
+    spec = loss_spec(config)
+    # After the loss: which lag modes fit depends on what the loss recomputes.
+    schedule = _check_lag(config, spec)
     _check_model(config)
     _check_optim(config)
-    _check_data(config)
+    sources = _check_data(config)
     _check_rollout(config, num_devices, num_processes)
     s = config.sft
     if (
@@ -491,17 +524,20 @@ def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
     if config.checkpoint.max_to_keep < 1:
         _fail(f"checkpoint.max_to_keep must be >= 1, got {config.checkpoint.max_to_keep}")
     d = config.data
-    if d.source == "task" or (d.source == "jsonl" and d.tokenizer == "char"):
-        # Cheap to build here; TFDS and other tokenizers' rows are checked when the run builds
-        # them. A built-in task's lengths were checked against its own bounds above.
+    if d.source == "jsonl" and d.tokenizer == "char":
         from sat_jax.data import build_sources
+
+        sources = build_sources(d)
+    rows_checked = sources is not None and d.tokenizer == "char"
+    if rows_checked:
+        # The run's own tokenizer: the rows are checked once, here. TFDS sources and other
+        # tokenizers' rows are checked when the run builds and loads them.
         from sat_jax.data.tokenizer import CharTokenizer
 
-        train_src, eval_src, task = build_sources(d)
-        if d.source == "task":
-            _check_batch_rows(config, train_src)
-        else:
-            check_data_rows(config, train_src, eval_src, CharTokenizer(), task)
+        check_data_rows(config, *sources[:2], CharTokenizer(), sources[2])
+    elif sources is not None:
+        _check_batch_rows(config, sources[0])
+    return Checked(spec=spec, schedule=schedule, sources=sources, rows_checked=rows_checked)
 
 
 def _check_batch_rows(config, train_src) -> None:

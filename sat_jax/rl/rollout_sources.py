@@ -4,7 +4,9 @@ A rollout source owns the lag schedule, the :class:`SnapshotStore` and its reten
 asks it for the batch of step j (:meth:`RolloutSource.next`, which also hands over the behaviour
 parameters the loss needs) and tells it about each new parameter version
 (:meth:`RolloutSource.publish`); everything about which version samples which batch, and which
-versions must stay in memory for that, lives behind these two calls.
+versions must stay in memory for that, lives behind these two calls. A checkpoint keeps the
+source's store and :meth:`RolloutSource.state` (the prompt position to resume from, and any
+batches the source holds), and :meth:`RolloutSource.restore` puts them back.
 
 * :class:`ScheduledRollouts` — the synchronous ``fixed`` and ``broadcast`` modes
   (``sat_jax.rl.lag``): batch j is sampled by ``schedule.version_for(j)``, exactly; and
@@ -63,8 +65,36 @@ class RolloutSource(Protocol):
     def publish(self, version: int, params: Any) -> None:
         """Records ``params`` as ``version`` and drops the versions no later batch needs."""
 
+    def state(self, batches: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(arrays, meta)`` a checkpoint keeps besides the store, from the trainer's thread
+        between steps: host arrays (the batches the source holds; none with ``batches=False``,
+        for runs whose host batches cannot be saved) and JSON, whose ``"iterator"`` is the prompt
+        position a resumed run draws from next."""
+
+    @staticmethod
+    def restore_target(meta: dict[str, Any]) -> dict[str, Any]:
+        """The structure of the ``arrays`` :meth:`state` returned with ``meta``, to restore
+        into."""
+
+    def restore(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Back to what :meth:`state` returned, before :meth:`start`: the prompt iterator at
+        ``meta["iterator"]`` and any saved batches; the store is loaded separately."""
+
     def close(self) -> None:
         """Stops any worker."""
+
+
+def prompt_position(prompts) -> Any:
+    """The prompt iterator's resumable position (``None`` for a plain iterator)."""
+    state = getattr(prompts, "state", None)
+    return state() if callable(state) else None
+
+
+def restore_position(prompts, position) -> None:
+    """Puts the prompt iterator at ``position`` (nothing for a plain iterator or ``None``)."""
+    restore = getattr(prompts, "restore", None)
+    if position is not None and callable(restore):
+        restore(position)
 
 
 class ScheduledRollouts:
@@ -196,6 +226,17 @@ class ScheduledRollouts:
 
     def publish(self, version: int, params: Any) -> None:
         self.store.put(version, params, keep=self.schedule.needed_after(version - 1))
+
+    def state(self, batches: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+        # Batches are sampled on demand: the next step's prompts are the iterator's next ones.
+        return {}, {"iterator": prompt_position(self.prompts)}
+
+    @staticmethod
+    def restore_target(meta: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def restore(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+        restore_position(self.prompts, meta.get("iterator"))
 
     def close(self) -> None:
         pass

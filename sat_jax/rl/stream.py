@@ -21,7 +21,7 @@ the version each unconsumed batch started from (its oldest token's version): at 
 the store never holds more than ``queue_size + 2``; the continuous engine's groups still in its
 slots pin the version they were admitted with, at most ``num_slots // group_size`` more.
 
-Resuming: :meth:`StreamRollouts.checkpoint` gives every finished batch not yet trained on (the
+Resuming: :meth:`StreamRollouts.state` gives every finished batch not yet trained on (the
 queued ones and one waiting for a slot), with its per-token versions and the version it started
 from, plus the prompt iterator's position before the batch being decoded; the store's state
 (saved beside it) holds the versions those batches need. :meth:`StreamRollouts.restore` puts
@@ -47,7 +47,7 @@ import numpy as np
 from sat_jax.rl import rng
 from sat_jax.rl.batch import RolloutBatch
 from sat_jax.rl.rollout import RolloutEngine
-from sat_jax.rl.rollout_sources import Rollout
+from sat_jax.rl.rollout_sources import Rollout, prompt_position, restore_position
 from sat_jax.rl.snapshots import SnapshotStore
 from sat_jax.sampling import ContinuousSampler, concat_outputs
 
@@ -140,7 +140,7 @@ class StreamRollouts:
         """Static engine: decodes the next batch, swapping weights between decode chunks."""
         sampler = self.engine.sampler
         with self._lock:
-            index, before = self._index, _position(self.prompts)
+            index, before = self._index, prompt_position(self.prompts)
             examples = next(self.prompts)
             self._inflight, self._drawn_at[index] = (index, before), before
         version, params = self._latest(pin=index)
@@ -158,7 +158,7 @@ class StreamRollouts:
     def _hand_over(self) -> None:
         """Moves the finished batch into the queue once it has room (back-pressure)."""
         while not self._stop.is_set():
-            with self._lock:  # in the queue or waiting, never both, for checkpoint()
+            with self._lock:  # in the queue or waiting, never both, for state()
                 try:
                     self.queue.put_nowait(self._finished)
                     self._finished = None
@@ -169,7 +169,7 @@ class StreamRollouts:
 
     def _run_continuous(self):
         """Slots kept full; a batch is the next ``len(examples)`` groups to finish. Prompts are
-        drawn and batches handed over under the lock, so :meth:`checkpoint` sees every drawn
+        drawn and batches handed over under the lock, so :meth:`state` sees every drawn
         group either in a finished batch or still in the slots."""
         if self._finished is not None:  # restored from a checkpoint: it goes first
             self._hand_over()
@@ -253,7 +253,7 @@ class StreamRollouts:
             keep = keep if self.needs_old else set()
             self.store.put(version, params, keep=keep)
 
-    def checkpoint(self, batches: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    def state(self, batches: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(arrays, meta)`` of the finished batches not yet trained on, oldest first: arrays
         ``{str(index): {field: np.ndarray}}``, meta ``{"queued": [{"index", "started",
         "fields": {field: [shape, dtype]}}], "next_index", "iterator", "inflight",
@@ -273,7 +273,7 @@ class StreamRollouts:
             if self._inflight is not None:
                 (next_index, position), inflight = self._inflight, 1
             else:
-                next_index, position, inflight = self._index, _position(self.prompts), 0
+                next_index, position, inflight = self._index, prompt_position(self.prompts), 0
             if not batches and items:
                 if not self._continuous:  # redraw from the oldest untrained batch's prompts
                     next_index, position = items[0][0], self._drawn_at[items[0][0]]
@@ -301,30 +301,32 @@ class StreamRollouts:
         return arrays, meta
 
     @staticmethod
-    def checkpoint_target(meta: dict[str, Any]) -> dict[str, Any]:
-        """The ``arrays`` structure of :meth:`checkpoint` for ``meta``, to restore into."""
+    def restore_target(meta: dict[str, Any]) -> dict[str, Any]:
+        """The ``arrays`` structure of :meth:`state` for ``meta``, to restore into."""
         return {
             str(q["index"]): {
                 k: np.zeros(shape, np.dtype(dtype)) for k, (shape, dtype) in q["fields"].items()
             }
-            for q in meta["queued"]
+            for q in meta.get("queued", ())
         }
 
     def restore(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Puts the batches of :meth:`checkpoint` back, before :meth:`start`; the prompt
-        iterator must be at ``meta["iterator"]`` and the store hold the versions it had."""
+        """Puts the prompt position and batches of :meth:`state` back, before :meth:`start`; the
+        store must hold the versions it had."""
         if self._thread.is_alive():
             raise RuntimeError("restore() must come before start()")
+        restore_position(self.prompts, meta.get("iterator"))
+        queued = meta.get("queued", [])
         items = [
             (
                 q["index"],
                 RolloutBatch(**{k: np.asarray(v) for k, v in arrays[str(q["index"])].items()}),
             )
-            for q in meta["queued"]
+            for q in queued
         ]
         with self._lock:
-            self._index = int(meta["next_index"])
-            self._pinned = {q["index"]: q["started"] for q in meta["queued"]}
+            self._index = int(meta.get("next_index", self._index))
+            self._pinned = {q["index"]: q["started"] for q in queued}
             for item in items[: self.queue.maxsize]:
                 self.queue.put_nowait(item)
             rest = items[self.queue.maxsize :]
@@ -340,7 +342,7 @@ class StreamRollouts:
                 "(partial rollouts; their prompts are not drawn again)",
                 meta["inflight_groups"],
             )
-        if meta["inflight"]:
+        if meta.get("inflight"):
             _log.warning(
                 "stream resume: discarded %d rollout batch(es) the checkpoint did not keep "
                 "(from batch %d on, partial or not saved; their prompts are drawn again); %d "
@@ -354,9 +356,3 @@ class StreamRollouts:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=60)
-
-
-def _position(prompts) -> Any:
-    """The prompt iterator's resumable position (``None`` for a plain iterator)."""
-    state = getattr(prompts, "state", None)
-    return state() if callable(state) else None

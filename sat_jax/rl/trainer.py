@@ -152,42 +152,60 @@ def policy_loss(
     graphdef,
     spec: LossSpec,
     prompt_width: int,
-    axis_name,
     share: bool = False,
+    objective=None,
     version=None,
 ):
-    """Loss and metrics on one (local) shard of a batch; global over ``axis_name``. ``share``:
-    the batch's groups share their prompts (``make_train_step``). ``version``: the parameter
-    version of ``params`` (updates applied), needed by an objective that takes ``staleness=``."""
-    old_logp = ref_logp = None
+    """The training loss of ``params`` on ``batch`` and its metrics: the log-prob passes (of the
+    behaviour ``extra["old"]`` and reference ``extra["ref"]`` policies under stop-gradient, when
+    the spec needs them), the objective, the model's Switch loss and the total. ``share``: the
+    batch's groups share their prompts (``make_train_step``).
+
+    ``objective(local, fields) -> (loss, metrics)`` reduces the per-token ``local`` log-probs,
+    entropies and routing flips with the batch's loss ``fields``: the step passes its
+    ``shard_map`` over the batch axes; the default reduces the whole batch in place.
+    ``version``: the parameter version of ``params`` (updates applied), from which each token's
+    staleness is read (objectives that take ``staleness=``, the mismatch by staleness)."""
+    if objective is None:
+        objective = _batch_objective(spec, None)
+    local = {}
     if spec.needs_old:
-        old_logp = jax.lax.stop_gradient(
+        local["old"] = jax.lax.stop_gradient(
             _logprobs(graphdef, extra["old"], batch, spec, prompt_width, share)[0]
         )
     if spec.needs_ref:
-        ref_logp = jax.lax.stop_gradient(
+        local["ref"] = jax.lax.stop_gradient(
             _logprobs(graphdef, extra["ref"], batch, spec, prompt_width, share)[0]
         )
-    logp, entropy, aux = _logprobs(graphdef, params, batch, spec, prompt_width, share)
-    flips = routing_flip_share(aux["router_top_k"], batch.routing, prompt_width)
-    loss, metrics = _objective(
-        logp,
-        entropy,
-        old_logp,
-        ref_logp,
-        _loss_fields(batch, spec, version),
-        spec,
-        axis_name,
-        flips,
+    local["logp"], local["entropy"], aux = _logprobs(
+        graphdef, params, batch, spec, prompt_width, share
     )
-    if spec.router_aux:
-        aux_loss = (
-            aux["aux_loss"] if axis_name is None else jax.lax.pmean(aux["aux_loss"], axis_name)
-        )
-        loss = loss + aux_loss
-        metrics["loss/router_aux"] = aux_loss
+    local["flips"] = routing_flip_share(aux["router_top_k"], batch.routing, prompt_width)
+    loss, metrics = objective(local, _loss_fields(batch, spec, version))
+    if spec.router_aux:  # the model's Switch loss, over the global batch
+        loss = loss + aux["aux_loss"]
+        metrics["loss/router_aux"] = aux["aux_loss"]
     metrics["loss/total"] = loss
     return loss, metrics
+
+
+def _batch_objective(spec: LossSpec, axis_name):
+    """The objective on per-token log-probs (``policy_loss``'s ``local``), global over
+    ``axis_name``."""
+
+    def objective(local, fields):
+        return _objective(
+            local["logp"],
+            local["entropy"],
+            local.get("old"),
+            local.get("ref"),
+            fields,
+            spec,
+            axis_name,
+            local["flips"],
+        )
+
+    return objective
 
 
 def routing_flip_share(router_top_k, routing, prompt_width: int) -> jax.Array:
@@ -387,19 +405,7 @@ def make_train_step(
         dimension.
     """
     axes = batch_axes(mesh)
-    axis_name = axes if axes else None
-
-    def objective(local, batch):
-        return _objective(
-            local["logp"],
-            local["entropy"],
-            local.get("old"),
-            local.get("ref"),
-            batch,
-            spec,
-            axis_name,
-            local["flips"],
-        )
+    objective = _batch_objective(spec, axes if axes else None)
 
     def train(share, params, opt_state, count, batch, extra):
         model_cfg = nnx.merge(graphdef, params).config
@@ -410,29 +416,20 @@ def make_train_step(
             batch,
             RolloutBatch.specs(axes),
         )
-        loss_fields = _loss_fields(batch, spec, count)
         smap = jax.shard_map(objective, mesh=mesh, in_specs=P(axes), out_specs=(P(), P()))
 
         def loss_fn(p):
-            local = {}
-            if spec.needs_old:
-                local["old"] = jax.lax.stop_gradient(
-                    _logprobs(graphdef, extra["old"], batch, spec, prompt_width, share)[0]
-                )
-            if spec.needs_ref:
-                local["ref"] = jax.lax.stop_gradient(
-                    _logprobs(graphdef, extra["ref"], batch, spec, prompt_width, share)[0]
-                )
-            local["logp"], local["entropy"], aux = _logprobs(
-                graphdef, p, batch, spec, prompt_width, share
+            return policy_loss(
+                p,
+                batch,
+                extra,
+                graphdef=graphdef,
+                spec=spec,
+                prompt_width=prompt_width,
+                share=share,
+                objective=smap,
+                version=count,
             )
-            local["flips"] = routing_flip_share(aux["router_top_k"], batch.routing, prompt_width)
-            loss, metrics = smap(local, loss_fields)
-            if spec.router_aux:  # the model's Switch loss, over the global batch
-                loss = loss + aux["aux_loss"]
-                metrics["loss/router_aux"] = aux["aux_loss"]
-            metrics["loss/total"] = loss
-            return loss, metrics
 
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         grads = _constrain(grads, shardings)

@@ -6,6 +6,8 @@ Layout of a run directory written by :class:`RunLogger` (primary process only)::
       config.json        resolved config, written at construction (config.yaml too if PyYAML is
                          importable)
       metrics.jsonl      one JSON object per ``log`` call: {"step": int, "time": float, key: value}
+                         (kept as metrics.jsonl.gz once a study counts the run:
+                         :func:`compress_metrics`; read and appended to the same)
       tensorboard/       tensorboardX event files (skipped, with one warning, if not installed)
       plots/             written by ``sat_jax.run.plots.plot_run``
 
@@ -18,6 +20,7 @@ TensorBoard receives the float itself. Console progress is ``sat_jax.run.progres
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import logging
 import math
@@ -30,11 +33,19 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["CONFIG_FILE", "METRICS_FILE", "RunLogger", "read_metrics"]
+__all__ = [
+    "COMPRESSED_METRICS_FILE",
+    "CONFIG_FILE",
+    "METRICS_FILE",
+    "RunLogger",
+    "compress_metrics",
+    "read_metrics",
+]
 
 _log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+COMPRESSED_METRICS_FILE = METRICS_FILE + ".gz"
 CONFIG_FILE = "config.json"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -87,6 +98,7 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if config is not None:
             _write_config(self.run_dir, config)
+        _decompress_metrics(self.run_dir)  # a counted study run asked to go further
         if resume_step is not None:
             _truncate_metrics(self.metrics_path, int(resume_step))
         self._file = open(self.metrics_path, "a", encoding="utf-8")  # Closed in close().
@@ -152,24 +164,60 @@ class RunLogger:
 
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Reads ``run_dir/metrics.jsonl`` back, one dict per ``log`` call, in file order.
+    """Reads ``run_dir/metrics.jsonl`` (or its compressed ``metrics.jsonl.gz``) back, one dict
+    per ``log`` call, in file order.
 
     ``"NaN"``/``"Infinity"``/``"-Infinity"`` become floats again. Unreadable lines (a write cut
     by a crash) are skipped with a warning.
 
     Raises:
-      FileNotFoundError: The run has no ``metrics.jsonl``.
+      FileNotFoundError: The run has neither ``metrics.jsonl`` nor ``metrics.jsonl.gz``.
     """
     path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
+    if path.is_file():
+        opener = open
+    elif (Path(run_dir) / COMPRESSED_METRICS_FILE).is_file():
+        path, opener = Path(run_dir) / COMPRESSED_METRICS_FILE, gzip.open
+    else:
         raise FileNotFoundError(f"no {METRICS_FILE} in {run_dir}")
     records = []
-    with open(path, encoding="utf-8") as f:
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             record = _parse_line(line, path, lineno)
             if record is not None:
                 records.append(record)
     return records
+
+
+def compress_metrics(run_dir: str | os.PathLike[str]) -> Path | None:
+    """Replaces ``run_dir/metrics.jsonl`` by ``metrics.jsonl.gz`` (the same bytes, gzip with no
+    name or time in its header, so equal logs compress to equal files); returns the new path, or
+    None when there is no plain log. A study keeps every counted run's log this way: what its
+    report is rebuilt from, at a fraction of the size."""
+    src = Path(run_dir) / METRICS_FILE
+    if not src.is_file():
+        return None
+    dest = Path(run_dir) / COMPRESSED_METRICS_FILE
+    tmp = dest.with_name(dest.name + ".tmp")
+    with open(src, "rb") as f, open(tmp, "wb") as raw:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as out:
+            out.write(f.read())
+    os.replace(tmp, dest)
+    src.unlink()
+    return dest
+
+
+def _decompress_metrics(run_dir: Path) -> None:
+    """Puts a compressed log back as ``metrics.jsonl``, to be appended to."""
+    packed = run_dir / COMPRESSED_METRICS_FILE
+    if not packed.is_file():
+        return
+    if not (run_dir / METRICS_FILE).exists():
+        tmp = run_dir / (METRICS_FILE + ".tmp")
+        with gzip.open(packed, "rb") as f:
+            tmp.write_bytes(f.read())
+        os.replace(tmp, run_dir / METRICS_FILE)
+    packed.unlink()
 
 
 def _parse_line(line: str, path: Path, lineno: int) -> dict[str, Any] | None:

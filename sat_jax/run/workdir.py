@@ -17,7 +17,14 @@ import os
 from etils import epath
 
 #: The run outputs beside the checkpoints (files and directories).
-LOG_OUTPUTS = ("metrics.jsonl", "config.json", "config.yaml", "tensorboard", "plots")
+LOG_OUTPUTS = (
+    "metrics.jsonl",
+    "metrics.jsonl.gz",
+    "config.json",
+    "config.yaml",
+    "tensorboard",
+    "plots",
+)
 
 
 def run_dir(config) -> str:

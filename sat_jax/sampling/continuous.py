@@ -117,6 +117,16 @@ def _positive_int(name: str, value) -> int:
     return int(value)
 
 
+def check_slots(num_slots: int, group_size: int, *, prefix: str = "") -> None:
+    """Raises ValueError when ``num_slots`` is fewer than ``group_size``: the G samples of a
+    prompt decode in G slots at once."""
+    if num_slots < group_size:
+        raise ValueError(
+            f"{prefix}num_slots={num_slots} is fewer than {prefix}group_size={group_size}: the G "
+            "samples of a prompt decode in G slots at once"
+        )
+
+
 class ContinuousSampler:
     """Continuous-batching rollout engine with the static ``Sampler``'s outputs and key rule.
 
@@ -185,11 +195,7 @@ class ContinuousSampler:
         self.num_slots = _positive_int("num_slots", num_slots)
         self.harvest_every = _positive_int("harvest_every", harvest_every)
         self.group_size = _positive_int("group_size", group_size)
-        if self.num_slots < self.group_size:
-            raise ValueError(
-                f"num_slots={num_slots} is fewer than group_size={group_size}: the G samples of "
-                "a prompt decode in G slots at once"
-            )
+        check_slots(self.num_slots, self.group_size)
         groups = self.num_slots // self.group_size
         self.max_prefill = (
             groups if max_prefill is None else _positive_int("max_prefill", max_prefill)

@@ -112,9 +112,33 @@ def traced_sampling(sampling: SamplingParams | None) -> SamplingParams:
         jnp.asarray(sampling.top_p, jnp.float32),
         jnp.asarray(sampling.top_k, jnp.int32),
     )
-    if not (np.asarray(sp.temperature) > 0 and 0 < np.asarray(sp.top_p) <= 1):
-        raise ValueError(f"sampling needs temperature > 0 and top_p in (0, 1], got {sampling}")
+    check_sampling(np.asarray(sp.temperature), np.asarray(sp.top_p))
     return sp
+
+
+def check_sampling(temperature, top_p, *, prefix: str = "") -> None:
+    """Raises ValueError unless ``top_p`` is in (0, 1] and ``temperature`` finite and > 0 (an
+    infinite one would sample uniformly); ``prefix`` names where the values come from in the
+    message (``"rollout."`` for a run's config)."""
+    if not (0 < top_p <= 1 and temperature > 0 and np.isfinite(temperature)):
+        raise ValueError(
+            f"{prefix}top_p must be in (0, 1] and {prefix}temperature finite and > 0 (inf would "
+            f"sample uniformly), got {top_p}, {temperature}"
+        )
+
+
+def check_router_noise(router_noise, *, prefix: str = "") -> None:
+    """Raises ValueError unless ``router_noise`` is a finite float >= 0 (0: off)."""
+    if (
+        isinstance(router_noise, bool)
+        or not isinstance(router_noise, (int, float, np.floating, np.integer))
+        or not router_noise >= 0
+    ):
+        raise ValueError(
+            f"{prefix}router_noise must be a float >= 0 (0: off), got {router_noise!r}"
+        )
+    if not np.isfinite(router_noise):
+        raise ValueError(f"{prefix}router_noise must be finite, got {router_noise!r}")
 
 
 class DecodeState(NamedTuple):
@@ -265,13 +289,7 @@ class Sampler:
         dtype=None,
         router_noise: float = 0.0,
     ):
-        if (
-            isinstance(router_noise, bool)
-            or not isinstance(router_noise, (int, float, np.floating, np.integer))
-            or not np.isfinite(router_noise)
-            or router_noise < 0
-        ):
-            raise ValueError(f"router_noise must be a finite float >= 0, got {router_noise!r}")
+        check_router_noise(router_noise)
         if max_prompt_len < 1 or max_new_tokens < 1:
             raise ValueError(
                 f"max_prompt_len and max_new_tokens must be ≥ 1, got {max_prompt_len}, "

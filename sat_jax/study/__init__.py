@@ -1,5 +1,6 @@
-"""Studies: grids of training runs (methods × lags × learning rates × seeds), run resumably, and
-the statistics, tables and plots of their results (``sat-jax compare --grid NAME``)."""
+"""Studies: grids of training runs (methods × lags × learning rates × seeds), built in or read
+from study files (``configs/studies/*.py``), run resumably, and the statistics, tables and plots
+of their results (``sat-jax compare --grid NAME``)."""
 
 from sat_jax.study.grid import (
     GRIDS,
@@ -9,6 +10,8 @@ from sat_jax.study.grid import (
     RunSpec,
     apply_override,
     expand,
+    grids,
+    load_study,
     method_config,
     resolve,
 )
@@ -34,7 +37,9 @@ __all__ = [
     "apply_override",
     "envelope_map",
     "expand",
+    "grids",
     "is_finished",
+    "load_study",
     "mark_finished",
     "mean_sd",
     "method_config",

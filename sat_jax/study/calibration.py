@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from sat_jax.study import stats
+from sat_jax.study import tables
 
 HARM_MARGIN = 0.02
 MISMATCH_RANGE = (0.01, 0.05)
@@ -194,7 +194,7 @@ def _collapses(e) -> str:
 
 
 def _pair(p, digits=3) -> str:
-    return f"{stats.fmt(p[0], digits)} / {stats.fmt(p[1], digits)}"
+    return f"{tables.fmt(p[0], digits)} / {tables.fmt(p[1], digits)}"
 
 
 #: by_staleness's columns: name -> metric key (trailing-window means per realized lag).
@@ -253,12 +253,12 @@ def staleness_markdown(run_dirs: Sequence[str]) -> str:
         table = [
             [r["lag"], r["steps"]]
             + [
-                _percents((r[k],)) if k in ("gate", "binding", "clipped") else stats.fmt(r[k], 4)
+                _percents((r[k],)) if k in ("gate", "binding", "clipped") else tables.fmt(r[k], 4)
                 for k in STALENESS_COLUMNS
             ]
             for r in rows
         ]
-        lines += [stats.markdown_table(["staleness", "steps", *STALENESS_COLUMNS], table), ""]
+        lines += [tables.markdown_table(["staleness", "steps", *STALENESS_COLUMNS], table), ""]
     return "\n".join(lines)
 
 
@@ -332,7 +332,7 @@ def markdown(
         ]
         for e in entries
     ]
-    lines += [stats.markdown_table(headers, table), ""]
+    lines += [tables.markdown_table(headers, table), ""]
     if chosen:
         lines.append(
             f"**Chosen**: setting `{chosen['setting']}`, `{chosen['arms'][0]}` and "

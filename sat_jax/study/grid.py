@@ -1,7 +1,9 @@
-"""Study grids: the paper's Table 1 methods (``paper``), its core comparison (``core``), SAT's
-operating envelope over learning rate × lag (``envelope``) and the staleness study (``stale``,
-:func:`stale_grid`), expanded into one training config per (method, lag, learning rate, seed)
-cell.
+"""Study grids: the paper's Table 1 methods (``paper``), its core comparison (``core``) and SAT's
+operating envelope over learning rate × lag (``envelope``), plus the grids of the study files
+under ``configs/studies/`` (each a Python file whose ``GRIDS`` maps names to grids,
+with the constants and calibration notes its protocol fixes: ``stale.py`` is the staleness
+study's, built with :func:`stale_grid`), expanded into one training config per (method, lag,
+learning rate, seed) cell.
 
 Every method is the built-in default run with the method's objective, R3 and correction swapped
 in (``sat_jax.config.method_config``, as ``configs/<method>.py`` does), so the runs of a
@@ -13,6 +15,8 @@ compares the methods, not the luck of the draw.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import itertools
 import math
 import os
@@ -59,14 +63,9 @@ METHODS: dict[str, tuple[str, bool, str]] = {
 }
 
 #: ε of the matched-step controls' uniformly tighter clip, ε_low = ε_high (the default run's is
-#: 0.2): the default of ``configs/*_tight.py`` and :func:`stale_grid`. The staleness protocol
-#: calibrates its own so that the control's clip fraction matches SAT's (:data:`STALE_TIGHT_EPS`).
+#: 0.2): the default of ``configs/*_tight.py`` and :func:`stale_grid`. A study protocol calibrates
+#: its own so that the control's clip fraction matches SAT's (``configs/studies/stale.py``).
 TIGHT_EPS = 0.1
-
-#: The matched-step control's ε of the staleness study's phase 1 (docs/results/stale/PROTOCOL.md):
-#: of {0.05, 0.07, 0.1, 0.14}, the one whose clip fraction (GSPO, fixed lag 4, lr 7e-5, seed 0)
-#: was closest to SAT-GSPO's there.
-STALE_TIGHT_EPS = 0.07
 
 #: Loss fields a method sets besides its objective, R3 and correction.
 METHOD_LOSS: dict[str, dict[str, Any]] = {
@@ -202,20 +201,6 @@ GRIDS: dict[str, Grid] = {
         lrs=(1e-4, 3e-4, 1e-3),
         description="SAT's operating envelope: GRPO and SAT-GRPO over learning rate × lag",
     ),
-    "stale-phase0": Grid(
-        "stale-phase0",
-        ("grpo", "sat_grpo"),
-        baseline="grpo",
-        lags=(1, 8),
-        lrs=(1e-4, 3e-4, 1e-3),
-        seeds=1,
-        # The sorting testbed (held-out pass@1 0.09-0.35 after its warm-up, over seeds 0-3 and
-        # two CPUs); --preset stale runs the same grid on the multiplication testbed.
-        preset="stale_sort",
-        description="phase 0 of the staleness study (calibration, one seed): GRPO and SAT-GRPO "
-        "on the long-response testbed over learning rate × lag; the setting is chosen by "
-        "sat_jax.study.calibration's manipulation checks, not by SAT's accuracy",
-    ),
 }
 
 
@@ -240,7 +225,8 @@ def stale_grid(
     (treatment, control) = (SAT, base)); the protocol (docs/results/stale/PROTOCOL.md) fixes
     the arms, lags, seeds, the control's ``tight_eps`` (ε_low = ε_high of every ``*_tight``
     arm), the ``settings`` (``KEY=VALUE`` over the preset: mismatch knobs, learning rate) and the
-    ``lag_mode`` after calibration, and ``GRIDS["stale"]`` is then this function at those values.
+    ``lag_mode`` after calibration, and the study file's ``stale`` grid
+    (``configs/studies/stale.py``) is then this function at those values.
 
     Raises:
       ValueError: an unknown arm or preset, a baseline or primary arm not among the arms,
@@ -290,34 +276,60 @@ def stale_grid(
     )
 
 
-#: Phase 1 of the staleness study, as its protocol fixes it (docs/results/stale/PROTOCOL.md):
-#: GSPO, SAT-GSPO and the matched-step control on the sorting testbed at a fixed lag of 1 and 4,
-#: lr 7e-5, 300 steps, evaluated on all 512 held-out prompts, seeds 4-11 (phase 0 used 0-3).
-GRIDS["stale"] = stale_grid(
-    ("gspo", "sat_gspo", "gspo_tight"),
-    lags=(1, 4),
-    seeds=8,
-    first_seed=4,
-    baseline="gspo",
-    primary=("sat_gspo", "gspo"),
-    tight_eps=STALE_TIGHT_EPS,
-    preset="stale_sort",
-    settings=(
-        "optim.learning_rate=7e-5",
-        "num_steps=300",
-        "eval.every=25",
-        "eval.num_prompts=512",
-    ),
-    lag_mode="fixed",
+#: The study files' directory: ``configs/studies/`` of the source tree.
+STUDIES_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "configs",
+    "studies",
 )
 
-#: The staleness study re-run on seeds it did not use (12-19), its protocol unchanged.
-GRIDS["stale-rerun"] = dataclasses.replace(
-    GRIDS["stale"],
-    name="stale-rerun",
-    first_seed=12,
-    description=GRIDS["stale"].description + "; re-run on seeds neither phase 0 nor phase 1 used",
-)
+
+def load_study(path: str) -> dict[str, Any]:
+    """The names a study file defines (its module namespace); its ``GRIDS`` must map each name
+    to a :class:`Grid` of that name.
+
+    Raises:
+      ValueError: the file defines no ``GRIDS``, or an entry that is not a Grid of its name.
+    """
+    spec = importlib.util.spec_from_file_location(
+        f"sat_jax_study_{os.path.splitext(os.path.basename(path))[0]}", path
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    grids = getattr(module, "GRIDS", None)
+    if not isinstance(grids, Mapping) or not grids:
+        raise ValueError(f"study file {path}: needs GRIDS, a dict of grid name -> Grid")
+    for name, grid in grids.items():
+        if not isinstance(grid, Grid) or grid.name != name:
+            raise ValueError(f"study file {path}: GRIDS[{name!r}] must be a Grid named {name!r}")
+    return vars(module)
+
+
+@functools.cache
+def study_grids(directory: str = STUDIES_DIR) -> dict[str, Grid]:
+    """Every grid of the study files in ``directory`` (none where it does not exist: an installed
+    package without the source tree), by name.
+
+    Raises:
+      ValueError: a bad study file, or a name defined twice (also by :data:`GRIDS`).
+    """
+    out: dict[str, Grid] = {}
+    paths = sorted(
+        os.path.join(directory, f)
+        for f in (os.listdir(directory) if os.path.isdir(directory) else ())
+        if f.endswith(".py") and not f.startswith("_")
+    )
+    for path in paths:
+        for name, grid in load_study(path)["GRIDS"].items():
+            if name in out or name in GRIDS:
+                raise ValueError(f"study file {path}: grid {name!r} is defined twice")
+            out[name] = grid
+    return out
+
+
+def grids() -> dict[str, Grid]:
+    """The built-in grids and the study files' grids, by name."""
+    return {**GRIDS, **study_grids()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,9 +452,10 @@ def resolve(
         methods.
     """
     if isinstance(grid, str):
-        if grid not in GRIDS:
-            raise ValueError(f"--grid: unknown grid {grid!r}; expected one of {tuple(GRIDS)}")
-        grid = GRIDS[grid]
+        known = grids()
+        if grid not in known:
+            raise ValueError(f"--grid: unknown grid {grid!r}; expected one of {tuple(known)}")
+        grid = known[grid]
     changes = {}
     if seeds is not None:
         if int(seeds) < 1:

@@ -14,7 +14,7 @@ from typing import Any
 
 from sat_jax.run.metrics import read_metrics
 from sat_jax.study import plots as study_plots
-from sat_jax.study import runner, stats
+from sat_jax.study import runner, stats, tables
 from sat_jax.study.grid import LABELS, Grid
 
 CSV_COLUMNS = (
@@ -142,7 +142,7 @@ def write(
     rows, traces = collect(runs, out_dir=out_dir, rule=rule)
     os.makedirs(out_dir, exist_ok=True)
     csv_path = os.path.join(out_dir, "results.csv")
-    stats.write_csv(csv_path, rows, CSV_COLUMNS)
+    tables.write_csv(csv_path, rows, CSV_COLUMNS)
     plot_paths = _plots(out_dir, grid, traces) if plots else []
     env = None
     sat = _sat_partner(grid)
@@ -322,7 +322,7 @@ def _markdown(
     lines += [
         "## Per cell",
         "",
-        stats.markdown_table(
+        tables.markdown_table(
             [
                 "method",
                 "lag",
@@ -344,15 +344,15 @@ def _markdown(
                     c["lag"],
                     f"{c['lr']:g}",
                     c["n"],
-                    stats.fmt(c["base"]),
-                    stats.fmt_pm(c["best"], c["best_sd"]),
-                    stats.fmt_pm(c["final"], c["final_sd"]),
+                    tables.fmt(c["base"]),
+                    tables.fmt_pm(c["best"], c["best_sd"]),
+                    tables.fmt_pm(c["final"], c["final_sd"]),
                     f"{c['collapsed']}/{c['n']}",
-                    stats.fmt(c["mismatch_t25"], 4),
-                    stats.fmt(c["q_t25"], 4),
-                    stats.fmt(c["binding_t25"], 4),
-                    stats.fmt(c["clip_t25"], 4),
-                    stats.fmt(c["lag_t25"], 2),
+                    tables.fmt(c["mismatch_t25"], 4),
+                    tables.fmt(c["q_t25"], 4),
+                    tables.fmt(c["binding_t25"], 4),
+                    tables.fmt(c["clip_t25"], 4),
+                    tables.fmt(c["lag_t25"], 2),
                 ]
                 for c in stats.cell_summary(rows)
             ],
@@ -389,7 +389,7 @@ def _markdown(
             f"q < log(1 + ε) = {math.log1p(eps):.3f} (ε = {eps:g}: below it SAT's trust "
             f"region can bind); and {s} − {b} in final pass@1, paired.",
             "",
-            stats.markdown_table(
+            tables.markdown_table(
                 [
                     "lr",
                     "lag",
@@ -405,13 +405,13 @@ def _markdown(
                     [
                         f"{e['lr']:g}",
                         e["lag"],
-                        stats.fmt(e["base_final"]),
-                        stats.fmt_paired(e["base_drop"]) if e["base_drop"] else "(lag 1)",
-                        stats.fmt(e["mismatch"], 4),
-                        stats.fmt(e["q"], 4),
+                        tables.fmt(e["base_final"]),
+                        tables.fmt_paired(e["base_drop"]) if e["base_drop"] else "(lag 1)",
+                        tables.fmt(e["mismatch"], 4),
+                        tables.fmt(e["q"], 4),
                         _can_act(e),
-                        stats.fmt(e["binding"], 4),
-                        stats.fmt_paired(e["sat_diff"]),
+                        tables.fmt(e["binding"], 4),
+                        tables.fmt_paired(e["sat_diff"]),
                     ]
                     for e in env
                 ],
@@ -428,15 +428,15 @@ def _markdown(
 
 def _paired_table(entries) -> str:
     """Best and final pass@1 differences of :func:`stats.paired_rows` / ``lag_rows`` entries."""
-    return stats.markdown_table(
+    return tables.markdown_table(
         ["method", "lag", "lr", "Δ best pass@1 [95% CI]", "Δ final pass@1 [95% CI]"],
         [
             [
                 _label(p["method"]),
                 p["lag"],
                 f"{p['lr']:g}",
-                stats.fmt_paired(p["best"]),
-                stats.fmt_paired(p["final"]),
+                tables.fmt_paired(p["best"]),
+                tables.fmt_paired(p["final"]),
             ]
             for p in entries
         ],
@@ -457,7 +457,7 @@ def _primary_section(rows, treatment: str, control: str) -> list[str]:
         "Endpoint **tail20**: held-out pass@1 averaged over the last 20% of evaluations. "
         f"Collapse: {stats.SUSTAINED_RULE.describe()}.",
         "",
-        stats.markdown_table(
+        tables.markdown_table(
             ["arm", "lag", "lr", "n", "tail20 (mean ± sd)", "collapses", "collapse steps"],
             [
                 [
@@ -465,7 +465,7 @@ def _primary_section(rows, treatment: str, control: str) -> list[str]:
                     a["lag"],
                     f"{a['lr']:g}",
                     a["n"],
-                    stats.fmt_pm(a["tail20"], a["tail20_sd"]),
+                    tables.fmt_pm(a["tail20"], a["tail20_sd"]),
                     f"{a['collapses']}/{a['n']}",
                     ", ".join(map(str, a["collapse_steps"])) or "–",
                 ]
@@ -489,16 +489,16 @@ def _primary_section(rows, treatment: str, control: str) -> list[str]:
                 else _label(e["method"]),
                 f"{e['lr']:g}",
                 f"{lo} → {hi}",
-                stats.fmt_paired(e["diff_lo"]),
-                stats.fmt_paired(e["diff_hi"]),
-                stats.fmt_paired(e["interaction"]),
+                tables.fmt_paired(e["diff_lo"]),
+                tables.fmt_paired(e["diff_hi"]),
+                tables.fmt_paired(e["interaction"]),
                 _p(e["interaction"]["wilcoxon"]),
                 f"{e['mcnemar_lo']['b']}/{e['mcnemar_lo']['c']}, p {_p(e['mcnemar_lo'])}",
                 f"{e['mcnemar_hi']['b']}/{e['mcnemar_hi']['c']}, p {_p(e['mcnemar_hi'])}",
             ]
         )
     lines += [
-        stats.markdown_table(
+        tables.markdown_table(
             [
                 "arm",
                 "lr",

@@ -2,7 +2,8 @@
 interrupted ones resumed from their checkpoint, with a progress line and a time estimate.
 
 A run is *finished* when ``DIR/runs/<name>/done.json`` exists and records the same config (the
-runner writes it after the learner returns from a run that reached ``num_steps``); anything else
+runner writes it after the learner returns from a run that reached ``num_steps``, and then
+compresses the run's log to ``metrics.jsonl.gz``, which the report reads as it is); anything else
 is handed to the learner, which resumes from the latest checkpoint (``config.resume = True``) or
 refuses a workdir holding another config (``learner.ResumeError``).
 
@@ -26,6 +27,8 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from sat_jax.run.metrics import compress_metrics
 
 DONE_FILE = "done.json"
 ERROR_FILE = "error.txt"
@@ -328,6 +331,7 @@ def run_all(
             )
             raise Interrupted(spec.name)
         mark_finished(config, {**summary, "wall_seconds": seconds})
+        compress_metrics(config.workdir)
         # An earlier attempt's traceback no longer describes this run.
         stale = os.path.join(config.workdir, ERROR_FILE)
         if os.path.exists(stale):

@@ -1,6 +1,6 @@
 """Statistics of a study a reader can trust (pure numpy): per-run summaries from ``metrics.jsonl``
-records, the collapse rule, mean ± sd over seeds, paired differences with Student-t intervals,
-and the tables of ``results.md`` / ``results.csv``.
+records, the collapse rules, mean ± sd over seeds, paired differences with Student-t intervals
+and the staleness study's tests; the rows they give are written out by ``sat_jax.study.tables``.
 
 Paired differences. Runs of two methods on the same seed and lag start from the same warm-up and
 see the same prompts, so the seed-to-seed spread they share cancels in the per-seed difference
@@ -15,7 +15,6 @@ deviation ``s_d`` (ddof 1), the 95% interval is
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -409,64 +408,6 @@ def envelope_map(
                 }
             )
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Formatting.
-
-
-def fmt(x: float, digits: int = 3) -> str:
-    return "–" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
-
-
-def fmt_pm(mean: float, sd: float, digits: int = 3) -> str:
-    if not math.isfinite(mean):
-        return "–"
-    return f"{mean:.{digits}f}" + (f" ± {sd:.{digits}f}" if math.isfinite(sd) else "")
-
-
-def fmt_paired(p: Mapping[str, Any] | None, digits: int = 3) -> str:
-    """``+0.031 [−0.012, +0.074] (n=5, 4/5 up)``."""
-    if p is None or not p["n"]:
-        return "–"
-    s = f"{p['mean']:+.{digits}f}"
-    if math.isfinite(p["lo"]):
-        s += f" [{p['lo']:+.{digits}f}, {p['hi']:+.{digits}f}]"
-    return s + f" (n={p['n']}, {p['wins']}/{p['n']} up)"
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub-flavoured markdown table; ``|`` inside a cell is escaped."""
-
-    def cell(v):
-        return str(v).replace("|", "\\|")
-
-    lines = [
-        "| " + " | ".join(cell(h) for h in headers) + " |",
-        "|" + "|".join("---" for _ in headers) + "|",
-    ]
-    for row in rows:
-        if len(row) != len(headers):
-            raise ValueError(f"row has {len(row)} cells for {len(headers)} headers: {row}")
-        lines.append("| " + " | ".join(cell(v) for v in row) + " |")
-    return "\n".join(lines)
-
-
-def write_csv(path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow(
-                {
-                    k: (
-                        ""
-                        if isinstance(r.get(k), float) and not math.isfinite(r[k])
-                        else r.get(k, "")
-                    )
-                    for k in columns
-                }
-            )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from sat_jax import parallel
-from sat_jax.config.validation import check_data_rows, full_eval_steps, loss_spec
+from sat_jax.config.validation import Checked, check_data_rows, full_eval_steps, unchecked
 from sat_jax.data import CharTokenizer, HFTokenizer, build_sources, user_prompt
 from sat_jax.models import ModelConfig, check_mesh, init_model, load_hf, param_shardings
 from sat_jax.rl import sft, trainer
+from sat_jax.rl.lag import LagSchedule
 from sat_jax.rl.rollout import RolloutEngine
 from sat_jax.sampling import ContinuousSampler, Sampler, SamplingParams
 
@@ -34,6 +35,7 @@ class Components:
     train_src: Any
     eval_examples: list
     spec: trainer.LossSpec
+    schedule: LagSchedule
     optimizer: Any
     sft_info: dict
     rollout_device: Any = None
@@ -69,13 +71,20 @@ def make_sampler(config, model_cfg: ModelConfig, tokenizer) -> Sampler | Continu
     )
 
 
-def build(config, log=lambda msg: None, *, warmup: bool = True) -> Components:
+def build(
+    config, log=lambda msg: None, *, warmup: bool = True, checked: Checked | None = None
+) -> Components:
     """Builds data, model (with its cached warm-up), rollout engine, loss and optimizer.
+
+    ``checked``: what ``sat_jax.config.validate`` built for ``config`` (loss spec, lag schedule,
+    prompt sources), used as is; without it the spec and schedule are built here and the config
+    is taken as valid.
 
     ``warmup=False`` leaves the parameters at their initialisation, for callers that restore a
     checkpoint over them (a resumed run, ``eval``): an uncached warm-up would be trained only to
     be overwritten.
     """
+    checked = checked or unchecked(config)
     devices = jax.devices()
     rollout_device = None
     if config.mesh.rollout_device >= 0:
@@ -88,7 +97,7 @@ def build(config, log=lambda msg: None, *, warmup: bool = True) -> Components:
         expert=config.mesh.expert,
         tensor=config.mesh.tensor,
     )
-    train_src, eval_src, task = build_sources(config.data)
+    train_src, eval_src, task = checked.sources or build_sources(config.data)
     model_fields = config.model.to_dict()
     hf_path = os.path.expanduser(model_fields.pop("hf_path"))
     if config.data.tokenizer == "char":
@@ -97,7 +106,8 @@ def build(config, log=lambda msg: None, *, warmup: bool = True) -> Components:
         tokenizer = HFTokenizer(
             os.path.expanduser(config.data.tokenizer), eos_token=config.data.eos_token or None
         )
-    check_data_rows(config, train_src, eval_src, tokenizer, task)
+    if not checked.rows_checked:
+        check_data_rows(config, train_src, eval_src, tokenizer, task)
     if hf_path:
         model_cfg, graphdef, params = load_hf(
             hf_path,
@@ -187,7 +197,8 @@ def build(config, log=lambda msg: None, *, warmup: bool = True) -> Components:
         engine=engine,
         train_src=train_src,
         eval_examples=eval_examples,
-        spec=loss_spec(config),
+        spec=checked.spec,
+        schedule=checked.schedule,
         optimizer=optimizer,
         sft_info=sft_info,
         rollout_device=rollout_device,

@@ -37,6 +37,7 @@ from etils import epath
 
 from sat_jax import parallel
 from sat_jax.config.validation import (
+    Checked,
     changed_fields,
     full_eval_steps,
     loss_spec,
@@ -45,7 +46,7 @@ from sat_jax.config.validation import (
 )
 from sat_jax.data import PromptIterator
 from sat_jax.rl import rng, trainer
-from sat_jax.rl.lag import LagSchedule, lag_stats
+from sat_jax.rl.lag import lag_stats
 from sat_jax.rl.rollout import batch_stats, evaluate
 from sat_jax.rl.rollout_sources import Rollout, RolloutSource, ScheduledRollouts
 from sat_jax.rl.stream import StreamRollouts
@@ -69,6 +70,7 @@ __all__ = [
     "evaluate_run",
     "loss_spec",
     "make_source",
+    "source_type",
     "train",
 ]
 
@@ -76,12 +78,20 @@ __all__ = [
 _OUTPUTS = workdir_lib.LOG_OUTPUTS
 
 
-# Checkpointed rollout data, not weights: its support cut-offs are -inf where nothing was cut.
-_DATA = ("stream",)
+# The checkpoint entry of the rollout source's own state beyond the prompt position (stream
+# mode's finished batches): rollout data, not weights, whose support cut-offs are -inf where
+# nothing was cut.
+_SOURCE = "stream"
+_DATA = (_SOURCE,)
 
 
 class ResumeError(ValueError):
     """The workdir holds a different run; the message names the differing fields."""
+
+
+def source_type(config) -> type[RolloutSource]:
+    """The rollout source class of ``config.lag_mode``."""
+    return StreamRollouts if config.lag_mode == "stream" else ScheduledRollouts
 
 
 def make_source(config, parts: Components, prompts, *, first_step: int) -> RolloutSource:
@@ -89,7 +99,7 @@ def make_source(config, parts: Components, prompts, *, first_step: int) -> Rollo
     common = dict(
         needs_old=parts.spec.needs_old, placement=config.snapshot_placement, view=parts.rollout_view
     )
-    if config.lag_mode == "stream":
+    if source_type(config) is StreamRollouts:
         return StreamRollouts(
             parts.engine,
             prompts,
@@ -100,8 +110,7 @@ def make_source(config, parts: Components, prompts, *, first_step: int) -> Rollo
             timeout=config.rollout.stream_timeout_s,
             **common,
         )
-    schedule = LagSchedule(config.lag_mode, config.lag, config.lag_dist, config.lag_cap)
-    return ScheduledRollouts(parts.engine, schedule, prompts, config.seed, **common)
+    return ScheduledRollouts(parts.engine, parts.schedule, prompts, config.seed, **common)
 
 
 def _eval(config, parts: Components, params, step: int) -> dict[str, float]:
@@ -122,23 +131,24 @@ def _eval(config, parts: Components, params, step: int) -> dict[str, float]:
     return {**result, "num_prompts": float(len(examples))}
 
 
-def _restore_target(state, params, ref_params):
+def _restore_target(state, params, ref_params, source: type[RolloutSource] = ScheduledRollouts):
     def target(meta):
         out = {
             "state": state._asdict(),
             "store": {str(v): params for v in meta["store_versions"]},
             "ref": ref_params,
         }
-        if meta.get("stream", {}).get("queued"):  # stream mode's finished, untrained batches
-            out["stream"] = StreamRollouts.checkpoint_target(meta["stream"])
+        saved = source.restore_target(meta.get(_SOURCE, {}))
+        if saved:
+            out[_SOURCE] = saved
         return out
 
     return target
 
 
-def evaluate_run(config) -> dict[str, Any]:
+def evaluate_run(config, *, checked: Checked | None = None) -> dict[str, Any]:
     """Held-out evaluation of the latest valid checkpoint of ``config``'s run directory; equal to
-    the in-training evaluation at that step.
+    the in-training evaluation at that step. ``checked``: what validating ``config`` built.
 
     The checkpoints are opened read-only: nothing in the run directory is created, moved or
     cleaned, so a run may be evaluated while it trains.
@@ -163,12 +173,14 @@ def evaluate_run(config) -> dict[str, Any]:
             )
         if latest is None:
             raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
-        parts = build(config, warmup=False)  # the checkpoint's parameters replace these
+        # The checkpoint's parameters replace these.
+        parts = build(config, warmup=False, checked=checked)
         state = trainer.init_train_state(
             parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
         )
         restored, _, step = ckpt.restore(
-            _restore_target(state, parts.params, parts.params), unchecked=_DATA
+            _restore_target(state, parts.params, parts.params, source_type(config)),
+            unchecked=_DATA,
         )
     return {
         "workdir": workdir,
@@ -279,13 +291,15 @@ def combine_updates(updates: list[dict]) -> dict[str, float]:
 class _Session:
     """One training session: the run's parts, state, rollout source, logs and checkpoints."""
 
-    def __init__(self, config, *, max_steps, quiet, ckpt, workdir, log, horizon, url=None):
+    def __init__(self, config, *, max_steps, quiet, ckpt, workdir, log, horizon, checked, url=None):
         self.config, self.ckpt, self.workdir, self.log = config, ckpt, workdir, log
         self.horizon, self.url = horizon, url
         self.primary = parallel.is_primary()
         resuming = bool(config.resume) and ckpt.latest_step() is not None
         # A resumed run's parameters (and its reference policy) come from the checkpoint.
-        self.parts = parts = build(_with_horizon(config, horizon), log, warmup=not resuming)
+        self.parts = parts = build(
+            _with_horizon(config, horizon), log, warmup=not resuming, checked=checked
+        )
         # Reused from an earlier run of this process with the same program (a study's grid).
         self.train_step = shared_train_step(_with_horizon(config, horizon), parts, donate=True)
         self.ref_params = parts.params
@@ -306,15 +320,16 @@ class _Session:
         restored = None
         if resuming:
             restored, meta, self.start = ckpt.restore(
-                _restore_target(self.state, parts.params, self.ref_params), unchecked=_DATA
+                _restore_target(self.state, parts.params, self.ref_params, source_type(config)),
+                unchecked=_DATA,
             )
-            self.iterator.restore(meta["iterator"])
         self.source = make_source(config, parts, self.iterator, first_step=self.start)
         if restored is not None:
             self.state = trainer.TrainState(**restored["state"])
             self.source.store.load(restored["store"])
-            if "stream" in meta and isinstance(self.source, StreamRollouts):
-                self.source.restore(restored.get("stream", {}), meta["stream"])
+            self.source.restore(
+                restored.get(_SOURCE, {}), {**meta.get(_SOURCE, {}), "iterator": meta["iterator"]}
+            )
             self.ref_params = restored["ref"]
             log(f"resumed from {url or workdir} at step {self.start}")
             if url is not None and self.primary:  # the logs as the run's checkpoints left them
@@ -419,21 +434,19 @@ class _Session:
         if step in self.ckpt.all_steps():
             return
         state = {"state": self.state._asdict(), "ref": self.ref_params}
+        # Host batches differ per process, and orbax writes host arrays from the primary only:
+        # a multi-host run saves none (the source counts them as discarded, drawn again).
+        arrays, source_meta = self.source.state(batches=jax.process_count() == 1)
         meta = {
             "step": step,
-            "iterator": self.iterator.state(),
+            "iterator": source_meta.pop("iterator"),
             "config": plain(self.config),
             "schedule_steps": self.horizon,
         }
-        if isinstance(self.source, StreamRollouts):
-            # The worker has drawn prompts ahead: the position saved is the one its unfinished
-            # batch drew from, and its finished batches are saved with the versions they need.
-            # Host batches differ per process, and orbax writes host arrays from the primary
-            # only: a multi-host run saves none (each counted as discarded, drawn again).
-            arrays, meta["stream"] = self.source.checkpoint(batches=jax.process_count() == 1)
-            meta["iterator"] = meta["stream"].pop("iterator")
-            if arrays:
-                state["stream"] = arrays
+        if source_meta:
+            meta[_SOURCE] = source_meta
+        if arrays:
+            state[_SOURCE] = arrays
         store = self.source.store
         state["store"], meta["store_versions"] = store.state(), store.versions()
         self.ckpt.save(step, state, meta, force=True, unchecked=_DATA)
@@ -453,8 +466,13 @@ class _Session:
         self.logger.close()
 
 
-def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[str, Any]:
+def train(
+    config, *, max_steps: int | None = None, quiet: bool = False, checked: Checked | None = None
+) -> dict[str, Any]:
     """Runs (or resumes) a training run; returns a summary. See ``sat_jax.config``.
+
+    ``checked``: what ``sat_jax.config.validate`` returned for ``config`` (the caller validated
+    it); without it the config is validated here.
 
     Raises:
       ConfigError: ``config`` is impossible (before any compute).
@@ -464,15 +482,22 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
       NonFiniteError: ``config.optim.max_nonfinite_steps`` steps in a row had a non-finite loss
         or gradient (none of their updates was applied or saved).
     """
-    validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
+    if checked is None:
+        checked = validate(
+            config, num_devices=jax.device_count(), num_processes=jax.process_count()
+        )
     workdir, ckpt_dir = workdir_lib.run_paths(config)
     url = workdir_lib.run_dir(config) if workdir_lib.is_url(workdir_lib.run_dir(config)) else None
     workdir_lib.check_shared(workdir if url is None else url)
     with WorkdirLock(url or workdir, "train"):
-        return _train(config, workdir, ckpt_dir, url=url, max_steps=max_steps, quiet=quiet)
+        return _train(
+            config, workdir, ckpt_dir, url=url, max_steps=max_steps, quiet=quiet, checked=checked
+        )
 
 
-def _train(config, workdir: str, ckpt_dir: str, *, url, max_steps, quiet) -> dict[str, Any]:
+def _train(
+    config, workdir: str, ckpt_dir: str, *, url, max_steps, quiet, checked
+) -> dict[str, Any]:
     log = (
         (lambda msg: None)
         if (quiet or not parallel.is_primary())
@@ -524,6 +549,7 @@ def _train(config, workdir: str, ckpt_dir: str, *, url, max_steps, quiet) -> dic
             workdir=workdir,
             log=log,
             horizon=horizon,
+            checked=checked,
             url=url,
         )
         interrupted = False

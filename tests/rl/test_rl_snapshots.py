@@ -2,6 +2,7 @@
 rollout sources keep in it, hand-checked without the trainer (a fake engine stands in for
 sampling)."""
 
+import json
 import threading
 import time
 import types
@@ -124,6 +125,31 @@ def test_scheduled_source_samples_the_scheduled_version_and_keeps_only_what_is_n
         assert set(held) == {v for v in schedule.needed_after(step) if v <= step + 1} | {step + 1}
     if mode == "broadcast":
         assert source.store.versions() == [9, 10]  # the last broadcast copy and the newest
+
+
+@pytest.mark.parametrize("cls", [ScheduledRollouts, StreamRollouts])
+def test_a_source_state_resumes_its_prompts_where_it_stopped(cls):
+    """Through the interface alone: ``state()`` after three batches, ``restore()`` into a new
+    source over a new iterator, and the new source draws the fourth batch's prompts next."""
+    from sat_jax.data import PromptIterator
+
+    rows = [{"prompt": str(i), "answer": ""} for i in range(10)]
+
+    def make(prompts):
+        if cls is StreamRollouts:
+            return StreamRollouts(_FakeEngine(), prompts, seed=0, queue_size=1)
+        return ScheduledRollouts(
+            _FakeEngine(), LagSchedule("fixed", 0), prompts, 0, needs_old=False
+        )
+
+    first = PromptIterator(rows, 2, seed=3)
+    drawn = [next(first) for _ in range(3)]
+    arrays, meta = make(first).state()
+    assert arrays == {} and cls.restore_target(meta) == {}
+    expected = next(first)
+    second = PromptIterator(rows, 2, seed=3)
+    make(second).restore(arrays, json.loads(json.dumps(meta)))  # as a checkpoint stores it
+    assert next(second) == expected and expected not in drawn
 
 
 @pytest.mark.parametrize("needs_old", [False, True])

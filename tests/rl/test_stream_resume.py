@@ -38,7 +38,7 @@ def _newest_checkpoint(config):
         state = trainer.init_train_state(
             parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
         )
-        target = learner._restore_target(state, parts.params, parts.params)
+        target = learner._restore_target(state, parts.params, parts.params, StreamRollouts)
         return ckpt.restore(target, unchecked=("stream",))
 
 
@@ -68,7 +68,7 @@ def test_queued_batches_survive_a_checkpoint_in_order(tmp_path, cache_dir, caplo
             source._thread.join(0.05)
             assert source._error is None
         source.publish(1, parts.params)  # a newer version: the batches need version 0 kept
-        arrays, meta = source.checkpoint()
+        arrays, meta = source.state()
     finally:
         source.close()
     assert [q["index"] for q in meta["queued"]] == [0, 1, 2]
@@ -80,7 +80,7 @@ def test_queued_batches_survive_a_checkpoint_in_order(tmp_path, cache_dir, caplo
         ckpt.wait()
         restored, rmeta, _ = ckpt.restore(
             lambda m: {
-                "stream": StreamRollouts.checkpoint_target(m["stream"]),
+                "stream": StreamRollouts.restore_target(m["stream"]),
                 "store": {str(v): parts.params for v in (0, 1)},
             },
             unchecked=("stream",),
@@ -142,7 +142,7 @@ def test_a_partial_rollout_is_discarded_with_a_logged_count(caplog):
     source = StreamRollouts(engine=None, prompts=prompts, seed=0, queue_size=2)
     position = {"epoch": 0, "index": 12}
     source._index, source._inflight = 4, (3, position)  # decoding batch 3, drawn at 12
-    arrays, meta = source.checkpoint()
+    arrays, meta = source.state()
     assert arrays == {} and meta == {
         "queued": [],
         "next_index": 3,
@@ -159,7 +159,7 @@ def test_a_partial_rollout_is_discarded_with_a_logged_count(caplog):
     source._pinned, source._drawn_at = {1: 0, 2: 0}, {1: {"epoch": 0, "index": 4}, 2: position}
     source._inflight = (2, position)
     source.queue.put_nowait((1, "a finished batch"))
-    arrays, meta = source.checkpoint(batches=False)
+    arrays, meta = source.state(batches=False)
     assert arrays == {} and meta == {
         "queued": [],
         "next_index": 1,

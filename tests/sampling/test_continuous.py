@@ -380,7 +380,7 @@ def test_stream_checkpoint_keeps_finished_batches_and_counts_groups_in_the_slots
         while stream._finished is None and time.monotonic() < deadline:  # queue full + 1 waiting
             stream._thread.join(0.05)
             assert stream._error is None
-        arrays, meta = stream.checkpoint()
+        arrays, meta = stream.state()
         drawn = stream._groups_in_flight + 2 * len(meta["queued"])
     finally:
         stream.close()

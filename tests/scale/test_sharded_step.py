@@ -177,6 +177,23 @@ def test_sharded_step_equals_single_device_and_splits_memory(name, model, batch,
         assert a == b.sharding, (a, b.sharding)
 
 
+def test_policy_loss_off_the_mesh_is_the_steps_loss(model, batch, reference):
+    """``trainer.policy_loss`` without a mesh (what the loop benchmark times) gives the loss and
+    metrics the single-device step logged for the same parameters and batch."""
+    graphdef, params = model
+    host = jax.tree.map(jnp.asarray, _host_batch(batch))
+    loss, metrics = jax.jit(
+        lambda p, b: trainer.policy_loss(p, b, {}, graphdef=graphdef, spec=SPEC, prompt_width=P_W)
+    )(params, host)
+    want = reference[2]
+    assert set(metrics) == {k for k in want if not k.startswith("optim/")}
+    np.testing.assert_allclose(loss, want["loss/total"], rtol=2e-5)
+    for k, v in jax.device_get(metrics).items():
+        np.testing.assert_allclose(
+            v, want[k], rtol=2e-3 if k in SENSITIVE else 2e-5, atol=1e-7, err_msg=k
+        )
+
+
 def test_shared_prompt_step_equals_plain_step(model):
     """Groups of G = 2 rows sharing their prompt slots: the shared-prompt program on data 2 ×
     fsdp 2 × expert 2 (two groups a device) equals the plain single-device step; a batch whose

@@ -5,6 +5,7 @@ step's key, and the command line's errors (exit 2 before anything runs)."""
 
 import csv
 import dataclasses
+import gzip
 import importlib.util
 import json
 import math
@@ -17,8 +18,9 @@ from _study_cli import invoke
 from sat_jax import cli
 from sat_jax import config as config_lib
 from sat_jax.config import presets
+from sat_jax.run import metrics as run_metrics
 from sat_jax.study import grid as study_grid
-from sat_jax.study import report, runner, stats
+from sat_jax.study import report, runner, stats, tables
 from sat_jax.train import components
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,7 +136,7 @@ def test_the_stale_grid_is_the_protocol(tmp_path):
         for m in ("gspo", "sat_gspo", "gspo_tight")
         for lag in (1, 4)
     ]
-    eps = study_grid.STALE_TIGHT_EPS
+    eps = study_grid.load_study(os.path.join(study_grid.STUDIES_DIR, "stale.py"))["STALE_TIGHT_EPS"]
     for spec, c in runs:
         assert (spec.lag_mode, c.lag_mode, c.lag, c.seed) == ("fixed", "fixed", spec.lag, spec.seed)
         assert c.loss.objective == study_grid.METHODS[spec.method][0] and c.loss.r3 is False
@@ -162,6 +164,36 @@ def test_the_stale_rerun_is_the_protocol_on_seeds_12_to_19(tmp_path):
         assert db.pop("seed") == da.pop("seed") + 8
         del da["workdir"], db["workdir"]
         assert cb.workdir.endswith(b.name) and da == db
+
+
+def test_every_study_file_loads_and_its_grids_expand(tmp_path):
+    """Each file under configs/studies/ defines grids named as its keys, which the protocol it
+    belongs to names, and which resolve and expand into distinct runs; a bad file is refused."""
+    files = sorted(f for f in os.listdir(study_grid.STUDIES_DIR) if f.endswith(".py"))
+    assert "stale.py" in files
+    names = []
+    for f in files:
+        grids = study_grid.load_study(os.path.join(study_grid.STUDIES_DIR, f))["GRIDS"]
+        for name, grid in grids.items():
+            assert study_grid.resolve(name) == grid
+            runs = study_grid.expand(grid, str(tmp_path))
+            assert (
+                len({c.workdir for _, c in runs})
+                == len(runs)
+                == (len(grid.methods) * len(grid.lags) * len(grid.lrs or (None,)) * grid.seeds)
+            )
+            names.append(name)
+    assert sorted(study_grid.study_grids()) == sorted(names)
+    assert {"stale-phase0", "stale", "stale-rerun"} <= set(names)
+    with open(os.path.join(ROOT, "docs", "results", "stale", "PROTOCOL.md"), encoding="utf-8") as f:
+        assert "configs/studies/stale.py" in f.read()
+    bad = tmp_path / "bad.py"
+    bad.write_text("from sat_jax.study.grid import GRIDS as _G\nGRIDS = {'other': _G['core']}\n")
+    with pytest.raises(ValueError, match="must be a Grid named 'other'"):
+        study_grid.load_study(str(bad))
+    bad.write_text("X = 1\n")
+    with pytest.raises(ValueError, match="needs GRIDS"):
+        study_grid.load_study(str(bad))
 
 
 def test_a_grid_fixes_its_own_lag_mode_and_an_explicit_one_wins(tmp_path):
@@ -569,10 +601,10 @@ def test_summarize_run_hand_computed():
 
 
 def test_markdown_table():
-    assert stats.markdown_table(["a", "b"], [[1, "x|y"]]) == "| a | b |\n|---|---|\n| 1 | x\\|y |"
+    assert tables.markdown_table(["a", "b"], [[1, "x|y"]]) == "| a | b |\n|---|---|\n| 1 | x\\|y |"
     with pytest.raises(ValueError, match="1 cells for 2 headers"):
-        stats.markdown_table(["a", "b"], [[1]])
-    assert stats.fmt_paired({"n": 3, "mean": 0.1, "lo": -0.05, "hi": 0.25, "wins": 2}) == (
+        tables.markdown_table(["a", "b"], [[1]])
+    assert tables.fmt_paired({"n": 3, "mean": 0.1, "lo": -0.05, "hi": 0.25, "wins": 2}) == (
         "+0.100 [-0.050, +0.250] (n=3, 2/3 up)"
     )
 
@@ -590,6 +622,57 @@ def _fake_study(tmp_path, finals):
                 f.write(json.dumps(row) + "\n")
         runner.mark_finished(c, {"wall_seconds": 2.0})
     return g, runs
+
+
+def test_a_compressed_log_reads_as_the_plain_one_and_its_run_stays_finished(tmp_path):
+    """A counted run's metrics.jsonl.gz gives the same records and results.csv as the plain log,
+    and the grid still skips the run."""
+    finals = {(m, lag): [0.5, 0.6, 0.7] for m in ("grpo", "sat_grpo") for lag in (1, 8)}
+    g, plain = _fake_study(tmp_path / "plain", finals)
+    _, packed = _fake_study(tmp_path / "packed", finals)
+    for (_, a), (_, b) in zip(plain, packed, strict=True):
+        with open(os.path.join(a.workdir, "metrics.jsonl"), "rb") as f:
+            raw = f.read()
+        path = run_metrics.compress_metrics(b.workdir)
+        assert path.name == "metrics.jsonl.gz" and gzip.decompress(path.read_bytes()) == raw
+        assert not os.path.exists(os.path.join(b.workdir, "metrics.jsonl"))
+        assert run_metrics.read_metrics(b.workdir) == run_metrics.read_metrics(a.workdir)
+
+    def csv_rows(root, runs):
+        out = report.write(
+            str(root), g, runs, command="c", lag_mode="broadcast", overrides=[], invocation={}
+        )
+        with open(out["csv"]) as f:
+            return list(csv.DictReader(f))
+
+    assert csv_rows(tmp_path / "packed", packed) == csv_rows(tmp_path / "plain", plain)
+    assert {r["status"] for r in csv_rows(tmp_path / "packed", packed)} == {"finished"}
+    trained = []
+    again = runner.run_all(packed, train=trained.append, log=lambda m: None)
+    assert trained == [] and len(again["skipped"]) == len(packed)
+
+
+def test_the_runner_compresses_a_finished_log_and_a_longer_run_appends_to_it(tmp_path):
+    g = study_grid.resolve(
+        "envelope", seeds=1, lags=(1,), lrs=(1e-4,), methods=("grpo",), baseline="grpo"
+    )
+    [(_, config)] = study_grid.expand(g, str(tmp_path))
+    lines = [json.dumps({"step": s, "time": 0.0, "loss/total": 0.5 * s}) + "\n" for s in (1, 2)]
+
+    def fake_train(config):
+        os.makedirs(config.workdir, exist_ok=True)
+        with open(os.path.join(config.workdir, "metrics.jsonl"), "w") as f:
+            f.writelines(lines)
+        return {"interrupted": False}
+
+    runner.run_all(study_grid.expand(g, str(tmp_path)), train=fake_train, log=lambda m: None)
+    packed = os.path.join(config.workdir, "metrics.jsonl.gz")
+    assert gzip.decompress(open(packed, "rb").read()).decode() == "".join(lines)
+    assert not os.path.exists(os.path.join(config.workdir, "metrics.jsonl"))
+    # Asked to go further, the learner resumes at step 1: the log is plain again, step 2 dropped.
+    run_metrics.RunLogger(config.workdir, enable_tensorboard=False, resume_step=1).close()
+    assert not os.path.exists(packed)
+    assert [r["step"] for r in run_metrics.read_metrics(config.workdir)] == [1]
 
 
 def test_results_files_from_a_fake_study(tmp_path):
@@ -804,7 +887,7 @@ def test_cli_grid_help_names_every_grid_and_lag_mode(capsys):
     rc, out, _ = run_cli(capsys, "compare", "--help")
     assert rc == 0
     text = " ".join(out.split())  # the help wraps long lines
-    for name in study_grid.GRIDS:
+    for name in study_grid.grids():
         assert f"{name} (" in text, name
     for mode in lag.MODES:
         assert mode in text.split("--lag_mode", 1)[1].split("--", 1)[0], mode
@@ -846,8 +929,8 @@ def test_cli_report_only_writes_the_finished_and_partial_runs_and_trains_none(
 
 
 def test_cli_compare_takes_the_grids_own_lag_mode(capsys, tmp_path, no_training, monkeypatch):
-    fixed = dataclasses.replace(study_grid.GRIDS["stale-phase0"], lag_mode="fixed")
-    monkeypatch.setitem(study_grid.GRIDS, "stale-phase0", fixed)
+    fixed = dataclasses.replace(study_grid.study_grids()["stale-phase0"], lag_mode="fixed")
+    monkeypatch.setitem(study_grid.study_grids(), "stale-phase0", fixed)
     out = tmp_path / "study"
     ((spec, config),) = study_grid.expand(
         study_grid.resolve("stale-phase0", methods=["grpo"], lags=[1], lrs=[1e-4]), str(out)

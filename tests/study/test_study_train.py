@@ -7,6 +7,7 @@ import os
 import jax
 import pytest
 from _study_cli import invoke
+from _tiny_models import TINY_RUN
 
 from sat_jax.train import components, learner
 
@@ -21,28 +22,7 @@ jax.monitoring.register_event_duration_secs_listener(
     )
 )
 
-TINY = [
-    "num_steps=2",
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=16",
-    "model.num_experts=4",
-    "model.num_experts_per_tok=2",
-    "model.moe_intermediate_size=16",
-    "rollout.prompts_per_step=4",
-    "rollout.group_size=4",
-    "data.max_new_tokens=4",
-    "sft.steps=3",
-    "sft.batch_size=16",
-    "eval.every=2",
-    "eval.num_prompts=8",
-    "checkpoint.every=0",
-    "log.plots=false",
-    "log.tensorboard=false",
-    "mesh.data=1",
-]
+TINY = [*TINY_RUN, "num_steps=2", "sft.steps=3", "sft.batch_size=16", "eval.every=2"]
 
 
 def run_cli(*args):
