@@ -16,7 +16,10 @@ means (``_cell``), over the seeds the entry's cells share. It passes when all fo
 3. **SAT can act**: SAT's quantile q at the high lag is below log(1 + ε_high), where its upper
    contraction can bind at all;
 4. **SAT binds**: SAT's binding rate at the high lag is at least :data:`BINDING_MIN` of active
-   tokens.
+   tokens;
+5. **heterogeneous mismatch** (read where the runs log d̄_π by staleness, a batch mixing ages:
+   ``lag_mode=sampled``): the baseline's d̄_π over tokens at least 8 versions old is at least
+   :data:`HETERO_RATIO` times its d̄_π over tokens at most 2 versions old, at the high lag.
 
 Among passing settings the one chosen has the highest binding rate (ties: the lower learning
 rate). SAT's own accuracy is not read here.
@@ -46,6 +49,7 @@ from sat_jax.study import tables
 HARM_MARGIN = 0.02
 MISMATCH_RANGE = (0.01, 0.05)
 BINDING_MIN = 0.03
+HETERO_RATIO = 2.0
 
 _FLOATS = (
     "lr",
@@ -57,6 +61,8 @@ _FLOATS = (
     "reward_t25",
     "final",
     "base",
+    "lag_le2_t25",
+    "lag_ge8_t25",
 )
 
 
@@ -165,8 +171,18 @@ def _entry(setting, rows, baseline, sat, eps_high, lr, lo, hi) -> dict[str, Any]
         "in_range": bool(MISMATCH_RANGE[0] <= mismatch <= MISMATCH_RANGE[1]),
         "can_act": None if s_hi is None else bool(q < math.log1p(eps_high)),
         "binds": None if s_hi is None else bool(binding >= BINDING_MIN),
+        # d̄_π of the baseline at the high lag over tokens <= 2 and >= 8 versions old.
+        "by_age": (b_hi["lag_le2_t25"], b_hi["lag_ge8_t25"]),
     }
-    entry["passes"] = all(entry[k] for k in ("harm", "in_range", "can_act", "binds"))
+    young, old = entry["by_age"]
+    entry["hetero"] = (
+        None
+        if not (math.isfinite(young) and math.isfinite(old))
+        else bool(old >= HETERO_RATIO * young)
+    )
+    entry["passes"] = all(entry[k] for k in ("harm", "in_range", "can_act", "binds")) and (
+        entry["hetero"] is not False
+    )
     return entry
 
 
@@ -285,8 +301,9 @@ def markdown(
         "`sat_jax/study/calibration.py`'s: harm (baseline tail20 lower at the high lag by "
         f"≥ {HARM_MARGIN}, or a sustained collapse), d̄_π at the high lag in "
         f"[{MISMATCH_RANGE[0]}, {MISMATCH_RANGE[1]}], q < log(1 + {eps_high}) = "
-        f"{math.log1p(eps_high):.3f}, binding ≥ {BINDING_MIN:.0%}. SAT's accuracy is not shown "
-        "and was not used.",
+        f"{math.log1p(eps_high):.3f}, binding ≥ {BINDING_MIN:.0%}, and, where the runs log d̄_π "
+        f"by staleness, d̄_π of tokens ≥ 8 versions old ≥ {HETERO_RATIO:g} × that of tokens ≤ 2 "
+        "old. SAT's accuracy is not shown and was not used.",
         "",
         f"- command: `{command}`",
         f"- commit: {prov['commit']}; JAX {prov['jax']}, Python {prov['python']}; {prov['host']}",
@@ -309,6 +326,8 @@ def markdown(
         "d̄_π in range",
         "q < log(1+ε)",
         "binds ≥ 3%",
+        "d̄_π hi, age ≤ 2 / ≥ 8",
+        "heterogeneous",
         "passes",
     ]
     table = [
@@ -328,6 +347,8 @@ def markdown(
             _mark(e["in_range"]),
             _mark(e["can_act"]),
             _mark(e["binds"]),
+            _pair(e["by_age"], 4),
+            _mark(e["hetero"]),
             "**yes**" if e["passes"] else "no",
         ]
         for e in entries

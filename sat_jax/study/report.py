@@ -40,6 +40,8 @@ CSV_COLUMNS = (
     "clip_t25",
     "lag_t25",
     "reward_t25",
+    "lag_le2_t25",
+    "lag_ge8_t25",
     "warmup_loss",
     "warmup_digest",
     "wall_s",

@@ -33,6 +33,10 @@ TRAILING = {
     "reward": "train/reward_mean",
 }
 
+#: The trainer's staleness buckets of d̄_π (``mismatch/<name>`` and ``mismatch/<name>_share``),
+#: summarised as ``<name>_t25`` over the trailing steps that hold tokens of the bucket.
+LAG_BUCKETS = ("lag_le2", "lag_ge8")
+
 
 # ---------------------------------------------------------------------------------------------
 # Student's t quantile.
@@ -168,7 +172,8 @@ def summarize_run(
       evaluation after step 0; ``final`` / ``final_step``: the last evaluation.
     * ``<name>_t25`` for each of :data:`TRAILING`: the mean over the last ``trailing`` share of
       training steps (at least one step) of that metric; NaN where the run does not log it
-      (``q`` and ``binding`` exist only for SAT objectives).
+      (``q`` and ``binding`` exist only for SAT objectives); ``lag_le2_t25`` and ``lag_ge8_t25``
+      (:data:`LAG_BUCKETS`) average only the steps whose batch held tokens of that staleness.
     * ``steps``: training steps logged; ``collapsed``: ``rule(base, best, final)``.
     * ``tail20``: :func:`tail_mean` (the last 20% of evaluations); ``collapse_step``: the step
       :data:`SUSTAINED_RULE` finds the run collapsed at, or None.
@@ -206,6 +211,15 @@ def summarize_run(
     )
     for name, key in TRAILING.items():
         values = [v for s, v in _by_step(records, key).items() if s in window and math.isfinite(v)]
+        out[f"{name}_t25"] = float(np.mean(values)) if values else math.nan
+    # d̄_π by staleness bucket: over the trailing steps whose batch held tokens of the bucket.
+    for name in LAG_BUCKETS:
+        share = _by_step(records, f"mismatch/{name}_share")
+        values = [
+            v
+            for s, v in _by_step(records, f"mismatch/{name}").items()
+            if s in window and share.get(s, 0.0) > 0 and math.isfinite(v)
+        ]
         out[f"{name}_t25"] = float(np.mean(values)) if values else math.nan
     out["collapsed"] = rule(base, best, final)
     out["tail20"] = tail_mean(records, 0.2)

@@ -287,3 +287,33 @@ def test_an_entry_reads_only_the_seeds_its_cells_share(tmp_path):
         sat="sat_gspo",
     )
     assert e["base_tail20"] == pytest.approx((0.5825, 0.4475))
+
+
+def test_heterogeneity_check_reads_the_age_buckets_where_logged(tmp_path):
+    def rows(young, old):
+        return [
+            _row("gspo", 1, 4e-5, 0.50, 0.005),
+            _row("gspo", 8, 4e-5, 0.40, 0.03, lag_le2_t25=young, lag_ge8_t25=old),
+            _row("sat_gspo", 8, 4e-5, 0.45, 0.03, 0.05, 0.04),
+        ]
+
+    def entry(young, old, name):
+        _write(tmp_path / name, rows(young, old))
+        (e,) = calibration.checks(
+            name, calibration.read_rows(tmp_path / name), baseline="gspo", sat="sat_gspo"
+        )
+        return e
+
+    # Every other check holds (drop 0.1, d̄_π 0.03, q 0.05 < 0.182, binding 4%).
+    both = entry(0.01, 0.02, "twice")  # exactly 2x: holds
+    assert both["by_age"] == (0.01, 0.02) and both["hetero"] is True and both["passes"]
+    flat = entry(0.015, 0.02, "flat")  # 1.33x: fails, and so does the setting
+    assert flat["hetero"] is False and not flat["passes"]
+    # Runs that log no buckets (a fixed lag: every token one age) are not held to it.
+    unlogged = entry("", "", "unlogged")
+    assert unlogged["hetero"] is None and unlogged["passes"]
+    table = calibration.markdown(
+        [both, flat], families=[("gspo", "sat_gspo")], command="cmd", eps_high=0.2
+    )
+    assert "| 0.0100 / 0.0200 | yes | **yes** |" in table
+    assert "| 0.0150 / 0.0200 | no | no |" in table
