@@ -89,8 +89,8 @@ def _nan_rewards(monkeypatch, which):
 
     def patched(config, log=lambda msg: None, **kwargs):
         parts = build(config, log, **kwargs)
-        reward = parts.engine.reward_fn
-        parts.engine.reward_fn = lambda text, ex: math.nan if which(ex) else reward(text, ex)
+        reward = parts.engine.reward
+        parts.engine.reward = lambda text, ex: math.nan if which(ex) else reward(text, ex)
         return parts
 
     monkeypatch.setattr(learner, "build", patched)
