@@ -504,23 +504,25 @@ def _train(config, workdir: str, ckpt_dir: str, *, url, max_steps, quiet) -> dic
                 "start when 0), where the rate is 0: resuming keeps the horizon. Start a new "
                 "run (another --workdir, or --config.resume=False) with the longer horizon"
             )
-        s = _Session(
-            config,
-            max_steps=max_steps,
-            quiet=quiet,
-            ckpt=ckpt,
-            workdir=workdir,
-            log=log,
-            horizon=horizon,
-            url=url,
-        )
-        interrupted = False
+        # Installed from the session's start through its closing evaluation, save and log upload:
+        # a signal at any of those moments ends with a checkpoint, never a half-written one.
         stop = StopFlag()
-        try:
-            if s.start == 0 and config.eval.every:
-                s.evaluate(0)
-            s.source.start()
-            with stop:
+        interrupted = False
+        with stop:
+            s = _Session(
+                config,
+                max_steps=max_steps,
+                quiet=quiet,
+                ckpt=ckpt,
+                workdir=workdir,
+                log=log,
+                horizon=horizon,
+                url=url,
+            )
+            try:
+                if s.start == 0 and config.eval.every:
+                    s.evaluate(0)
+                s.source.start()
                 for step in range(s.start, s.end):
                     t0 = time.perf_counter()
                     rollout = s.source.next(step)
@@ -538,10 +540,16 @@ def _train(config, workdir: str, ckpt_dir: str, *, url, max_steps, quiet) -> dic
                         s.save(step + 1)
                         log(f"interrupted: checkpoint saved at step {step + 1} in {workdir}")
                         break
-            if not interrupted:
-                s.finish()
-        finally:
-            s.close()
+                if not interrupted:
+                    s.finish()
+            finally:
+                s.close()
+            if not interrupted and stop.agreed():
+                # Signalled during the closing evaluation, save or upload, on some host: the
+                # closing checkpoint is written, and every host exits with the signal's status,
+                # as a scheduler expects of a preempted process.
+                interrupted = True
+                log(f"interrupted after the last step: checkpoint at step {s.end} in {workdir}")
     wall = s.timer.wall
     if s.primary and config.log.plots and not interrupted:
         with contextlib.suppress(Exception):
