@@ -285,7 +285,7 @@ def main(argv):
     if command == "eval":
         try:
             result = learner.evaluate_run(config)
-        except (FileNotFoundError, learner.WorkdirNotShared) as e:
+        except (FileNotFoundError, learner.WorkdirNotShared, learner.WorkdirURLError) as e:
             return _fail(str(e))
         if parallel.is_primary():
             print(json.dumps(result, indent=1))
@@ -297,10 +297,11 @@ def main(argv):
         learner.ResumeError,
         learner.WorkdirLocked,
         learner.WorkdirNotShared,
+        learner.WorkdirURLError,
         ConfigError,  # data checked when built
     ) as e:
         return _fail(str(e))
-    except learner.NonFiniteError as e:
+    except (learner.NonFiniteError, learner.LockLost) as e:
         print(f"sat-jax: error: {e}", file=sys.stderr)
         return 1
     if parallel.is_primary():

@@ -112,6 +112,8 @@ class Checkpointer:
         before reading the files or exiting. Restores are always synchronous.
       read_only: Only read: the directory must exist, nothing in it is created, moved or
         deleted (orbax's clean-up of temporary directories included), and ``save`` raises.
+      fence: called at the start of every ``save`` (by every process); it raises to stop a
+        writer that no longer owns the directory (``sat_jax.run.lock.WorkdirLock.check``).
     """
 
     def __init__(
@@ -122,12 +124,14 @@ class Checkpointer:
         save_interval_steps: int = 1,
         async_save: bool = False,
         read_only: bool = False,
+        fence: Callable[[], None] | None = None,
     ):
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
         if save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         self.directory = os.fspath(directory)
+        self._fence = fence
         self._root = epath.Path(self.directory)
         self.read_only = bool(read_only)
         if self.read_only:
@@ -217,6 +221,8 @@ class Checkpointer:
                 f"{_names(bad)}"
             )
         meta = _jsonable(dict(meta), "meta")
+        if self._fence is not None:
+            self._fence()
         self._move_aside_invalid_at_or_above(step)
         existing = [s for s in self._manager.all_steps() if s >= step]
         if existing:

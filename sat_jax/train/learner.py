@@ -45,20 +45,22 @@ from sat_jax.rl.rollout_sources import Rollout, RolloutSource, ScheduledRollouts
 from sat_jax.rl.stream import StreamRollouts
 from sat_jax.run import workdir as workdir_lib
 from sat_jax.run.checkpoint import Checkpointer
-from sat_jax.run.lock import WorkdirLock, WorkdirLocked
+from sat_jax.run.lock import LockLost, WorkdirLock, WorkdirLocked
 from sat_jax.run.metrics import RunLogger
 from sat_jax.run.plots import plot_run
 from sat_jax.run.progress import Progress
-from sat_jax.run.workdir import WorkdirNotShared
+from sat_jax.run.workdir import WorkdirNotShared, WorkdirURLError
 from sat_jax.train.components import Components, build, shared_train_step
 from sat_jax.train.controls import NonFiniteError, NonFiniteGuard, StopFlag, Timer
 
 __all__ = [
     "Components",
+    "LockLost",
     "NonFiniteError",
     "ResumeError",
     "WorkdirLocked",
     "WorkdirNotShared",
+    "WorkdirURLError",
     "build",
     "evaluate_run",
     "loss_spec",
@@ -447,6 +449,9 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
     Raises:
       ConfigError: ``config`` is impossible (before any compute).
       WorkdirLocked: another live process trains in the workdir (before any compute).
+      LockLost: a gs:// workdir's lock was lost (its lease lapsed and another run took it);
+        raised before a checkpoint write, which is not made.
+      WorkdirURLError: a URL workdir with an empty or ``.`` path segment.
       WorkdirNotShared: a multi-host run's local workdir is not shared by its hosts.
       ResumeError: the workdir holds a run with another config and ``config.resume`` is set.
       NonFiniteError: ``config.optim.max_nonfinite_steps`` steps in a row had a non-finite loss
@@ -454,13 +459,18 @@ def train(config, *, max_steps: int | None = None, quiet: bool = False) -> dict[
     """
     validate(config, num_devices=jax.device_count(), num_processes=jax.process_count())
     workdir, ckpt_dir = workdir_lib.run_paths(config)
-    url = workdir_lib.run_dir(config) if workdir_lib.is_url(workdir_lib.run_dir(config)) else None
+    url = workdir_lib.run_dir(config)
+    url = workdir_lib.check_url(url) if workdir_lib.is_url(url) else None
     workdir_lib.check_shared(workdir if url is None else url)
-    with WorkdirLock(url or workdir, "train"):
-        return _train(config, workdir, ckpt_dir, url=url, max_steps=max_steps, quiet=quiet)
+    with WorkdirLock(url or workdir, "train") as lock:
+        return _train(
+            config, workdir, ckpt_dir, url=url, max_steps=max_steps, quiet=quiet, fence=lock.check
+        )
 
 
-def _train(config, workdir: str, ckpt_dir: str, *, url, max_steps, quiet) -> dict[str, Any]:
+def _train(
+    config, workdir: str, ckpt_dir: str, *, url, max_steps, quiet, fence=None
+) -> dict[str, Any]:
     log = (
         (lambda msg: None)
         if (quiet or not parallel.is_primary())
@@ -468,7 +478,7 @@ def _train(config, workdir: str, ckpt_dir: str, *, url, max_steps, quiet) -> dic
     )
     if not config.resume:
         _start_over(workdir, ckpt_dir, log, url)
-    with Checkpointer(ckpt_dir, max_to_keep=config.checkpoint.max_to_keep) as ckpt:
+    with Checkpointer(ckpt_dir, max_to_keep=config.checkpoint.max_to_keep, fence=fence) as ckpt:
         resumed = _check_resumable(config, ckpt, workdir)
         horizon = _schedule_horizon(config, ckpt if resumed is not None else None)
         cosine = config.optim.schedule == "cosine"

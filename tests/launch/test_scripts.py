@@ -119,7 +119,7 @@ TRAIN_CMD = (
 )
 INSTALL = (
     "python3.11 -m venv ~/sat_jax_venv && . ~/sat_jax_venv/bin/activate && cd sat_jax"
-    ' && pip install --quiet -U pip && pip install -e ".[test]" && pip install -U "jax[tpu]"'
+    ' && pip install --quiet -U pip && pip install -e ".[test,gcs]" && pip install -U "jax[tpu]"'
     " && python -c 'import jax, sat_jax; print(\"sat_jax ready, jax\", jax.__version__)'"
 )
 APT = (
@@ -652,7 +652,7 @@ def test_help_lists_settings(script, env):
 
 def test_help_shows_defaults(env):
     out = run("setup.sh", ["--help"], env).stdout
-    assert '[env INSTALL_CMD, default: pip install -e ".[test]"]' in out
+    assert '[env INSTALL_CMD, default: pip install -e ".[test,gcs]"]' in out
     assert '[env JAX_INSTALL_CMD, default: pip install -U "jax[tpu]"]' in out
     out = run("train.sh", ["--help"], env).stdout
     assert "[env COORDINATOR_PORT, default: 8476]" in out
