@@ -137,6 +137,7 @@ def evaluate_run(config) -> dict[str, Any]:
       FileNotFoundError: the run directory holds no checkpoint (checked before anything is
         built).
       WorkdirNotShared: the processes of a multi-host run see different checkpoints.
+      ResumeError: the run was trained with a different config (``eval.*`` aside).
     """
     workdir, ckpt_dir = workdir_lib.run_paths(config)
     found = epath.Path(ckpt_dir).is_dir()
@@ -153,6 +154,15 @@ def evaluate_run(config) -> dict[str, Any]:
             )
         if latest is None:
             raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
+        # Another task, model or method would be evaluated without a word; the evaluation's own
+        # settings (eval.*) may differ.
+        stored = ckpt.read_meta(latest).get("config", {})
+        changed = [c for c in changed_fields(stored, config) if not c.startswith("eval.")]
+        if changed:
+            raise ResumeError(
+                f"{workdir} holds a run with a different config ({'; '.join(changed)}): "
+                "evaluate it with the config it was trained with (its config.json)"
+            )
         parts = build(config, warmup=False)  # the checkpoint's parameters replace these
         state = trainer.init_train_state(
             parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
