@@ -45,3 +45,18 @@ bench: install
 
 report: install
 	$(VENV)/bin/python benchmarks/report.py
+
+# sat_jax.integrations.tunix in an environment of its own: google-tunix pins safetensors<0.8, the
+# hf extra >=0.8, so this one installs the test and tunix extras and leaves hf out.
+TUNIX_VENV ?= .ci-venv-tunix
+
+.PHONY: test-tunix
+
+$(TUNIX_VENV)/.installed-tunix: pyproject.toml
+	$(PYTHON) -m venv $(TUNIX_VENV)
+	$(TUNIX_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TUNIX_VENV)/bin/python -m pip install --quiet -e ".[test,tunix]"
+	touch $@
+
+test-tunix: $(TUNIX_VENV)/.installed-tunix
+	$(TUNIX_VENV)/bin/python -m pytest -n 0 tests/integrations

@@ -433,6 +433,8 @@ def compare_grid(rest: list[str]) -> int:
             status = 1
     except runner.Interrupted:
         status = 130
+    except runner.MixedCodeError as e:
+        return _fail(str(e))
     except KeyboardInterrupt:  # outside the learner's loop (building, warm-up, compiling)
         print("interrupted: run the same command again to resume", file=sys.stderr)
         status = 130

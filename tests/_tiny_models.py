@@ -1,4 +1,5 @@
-"""The smallest model configs the sharding, checkpoint and Hugging Face tests share."""
+"""The smallest model configs and run configs the sharding, checkpoint, Hugging Face and
+system tests share."""
 
 from sat_jax.models import ModelConfig
 
@@ -22,3 +23,22 @@ def mixed_moe(**overrides) -> ModelConfig:
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def tiny_run(config, workdir, cache_dir):
+    """Shrinks any run config to seconds on a CPU (same code paths)."""
+    c = config
+    c.workdir = str(workdir)
+    c.num_steps = 2
+    c.model.hidden_size, c.model.num_layers, c.model.num_heads = 32, 1, 2
+    c.model.num_kv_heads, c.model.head_dim = 1, 16
+    c.model.num_experts, c.model.num_experts_per_tok, c.model.moe_intermediate_size = 4, 2, 16
+    c.rollout.prompts_per_step, c.rollout.group_size = 4, 4
+    if c.data.task in ("addition", "multiplication"):
+        c.data.max_new_tokens = 4  # long-response tasks keep the length their traces need
+    c.sft.steps, c.sft.batch_size, c.sft.cache_dir = 3, 16, str(cache_dir)
+    c.eval.every, c.eval.num_prompts = 0, 8
+    c.checkpoint.every = 0
+    c.log.plots = c.log.tensorboard = c.log.progress = False
+    c.mesh.data = 1
+    return c

@@ -188,6 +188,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 50
     c.eval.num_prompts = 128  # pass@G / avg@G use the rollout group size G
+    # Steps whose evaluation reads the first eval.full_num_prompts held-out prompts instead
+    # (comma-separated, e.g. "0,250,275,300": a cheap curve with full-size end points); each must
+    # be an evaluation step (0, a multiple of eval.every, or num_steps). "" uses num_prompts always.
+    c.eval.full_at = ""
+    c.eval.full_num_prompts = 512
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 100

@@ -465,6 +465,22 @@ def validate(config, *, num_devices: int = 1, num_processes: int = 1) -> None:
         _fail("eval.every and checkpoint.every must be >= 0 (0 disables)")
     if config.eval.num_prompts < 1:
         _fail(f"eval.num_prompts must be >= 1, got {config.eval.num_prompts}")
+    full = full_eval_steps(config)  # raises ConfigError on a malformed list
+    if full and config.eval.full_num_prompts < config.eval.num_prompts:
+        _fail(
+            f"eval.full_num_prompts={config.eval.full_num_prompts} must be >= eval.num_prompts="
+            f"{config.eval.num_prompts}"
+        )
+    every = config.eval.every
+    missed = [
+        s for s in full if not (s == 0 or s == config.num_steps or (every and s % every == 0))
+    ]
+    if missed or (full and not every):
+        _fail(
+            f"eval.full_at={config.eval.full_at!r}: steps {missed or sorted(full)} are not "
+            f"evaluation steps (0, multiples of eval.every={every}, or num_steps="
+            f"{config.num_steps})"
+        )
     if config.checkpoint.max_to_keep < 1:
         _fail(f"checkpoint.max_to_keep must be >= 1, got {config.checkpoint.max_to_keep}")
     d = config.data
@@ -528,6 +544,21 @@ def check_data_rows(config, train_src, eval_src, tokenizer, task=None) -> None:
             )
     except ValueError as e:
         _fail(f"{what}: {e}")
+
+
+def full_eval_steps(config) -> frozenset[int]:
+    """The steps of ``eval.full_at`` (comma-separated ints in [0, num_steps]) as a set."""
+    text = str(config.eval.full_at).strip()
+    if not text:
+        return frozenset()
+    try:
+        steps = frozenset(int(t) for t in text.split(","))
+    except ValueError:
+        _fail(f"eval.full_at must be comma-separated steps like '0,250,300', got {text!r}")
+    bad = sorted(s for s in steps if not 0 <= s <= config.num_steps)
+    if bad:
+        _fail(f"eval.full_at={text!r}: steps {bad} lie outside [0, num_steps={config.num_steps}]")
+    return steps
 
 
 def plain(config) -> dict[str, Any]:

@@ -5,12 +5,22 @@ A run is *finished* when ``DIR/runs/<name>/done.json`` exists and records the sa
 runner writes it after the learner returns from a run that reached ``num_steps``); anything else
 is handed to the learner, which resumes from the latest checkpoint (``config.resume = True``) or
 refuses a workdir holding another config (``learner.ResumeError``).
+
+Every run records the code it ran (:func:`run_provenance`: a digest of the package source, the
+commit, JAX, Python and the CPU) in ``provenance.json`` when it starts and in ``done.json`` when
+it finishes. A study never mixes code versions: a grid whose finished or started runs record
+another code digest than the one running refuses to go on (:class:`MixedCodeError`), so a study's
+runs all come from one program.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
+import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -19,6 +29,117 @@ from typing import Any
 
 DONE_FILE = "done.json"
 ERROR_FILE = "error.txt"
+PROVENANCE_FILE = "provenance.json"
+
+
+class MixedCodeError(RuntimeError):
+    """A study's runs would come from different code versions."""
+
+
+def code_digest(package_dir: str | None = None) -> str:
+    """SHA-256 (first 16 hex digits) over every ``.py`` file of the package, path and bytes, in
+    path order: equal for two checkouts that run the same code, whatever their commits."""
+    root = package_dir or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).replace(os.sep, "/").encode())
+                h.update(b"\0")
+                with open(path, "rb") as f:
+                    h.update(f.read())
+                h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _commit(src: str) -> str:
+    try:
+        commit = subprocess.run(
+            ["git", "-C", src, "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", src, "status", "--porcelain", "--untracked-files=no", "--", "sat_jax"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return commit + (" (with uncommitted changes to sat_jax/)" if dirty else "")
+
+
+@functools.cache
+def run_provenance() -> dict[str, str]:
+    """What a run's numbers depend on besides its config: the package's code digest
+    (:func:`code_digest`), the commit, JAX/jaxlib and Python versions, the backend's devices and
+    the CPU."""
+    import jax
+    import jaxlib
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    devices = jax.devices()
+    return {
+        "code": code_digest(package),
+        "commit": _commit(os.path.dirname(package)),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "python": platform.python_version(),
+        "devices": f"{len(devices)} × {devices[0].device_kind} ({jax.default_backend()})",
+        "cpu": f"{_cpu_model()}, {os.cpu_count()} cores",
+    }
+
+
+def _recorded_code(workdir: str) -> tuple[str, str] | None:
+    """(file, code digest) a run directory records, the finished record first; None if none."""
+    for name in (DONE_FILE, PROVENANCE_FILE):
+        try:
+            with open(os.path.join(workdir, name), encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue
+        record = record.get("provenance", {}) if name == DONE_FILE else record
+        if record.get("code"):
+            return name, record["code"]
+    return None
+
+
+def check_code(configs: Sequence[Any], code: str) -> int:
+    """Raises :class:`MixedCodeError` naming the runs among ``configs``' workdirs that record a
+    code digest other than ``code``; returns how many record none (runs of a runner that did not
+    record provenance)."""
+    other, unrecorded = [], 0
+    for config in configs:
+        if not os.path.isdir(config.workdir):
+            continue
+        found = _recorded_code(config.workdir)
+        if found is None:
+            unrecorded += os.path.isfile(os.path.join(config.workdir, DONE_FILE))
+        elif found[1] != code:
+            other.append(f"{os.path.basename(os.path.normpath(config.workdir))} ({found[1]})")
+    if other:
+        raise MixedCodeError(
+            f"this study's runs come from other code than the code running now ({code}): "
+            f"{', '.join(other[:5])}{' ...' if len(other) > 5 else ''}; run the grid from a "
+            "checkout of the code its runs used (git worktree add DIR COMMIT), or another --out"
+        )
+    return unrecorded
 
 
 def _plain(config) -> dict:
@@ -49,6 +170,7 @@ def mark_finished(config, summary: dict[str, Any]) -> None:
     os.makedirs(config.workdir, exist_ok=True)
     record = {
         "config": _plain(config),
+        "provenance": run_provenance(),
         "wall_seconds": summary.get("wall_seconds"),
         "end_step": summary.get("end_step"),
         "final_eval": summary.get("final_eval"),
@@ -136,6 +258,9 @@ def run_all(
             return learner.train(config, quiet=True)
 
     t0 = time.perf_counter()
+    unrecorded = check_code([c for _, c in runs], run_provenance()["code"])
+    if unrecorded:
+        log(f"{unrecorded} finished runs record no code version (older runner); not compared")
     finished = [is_finished(c) for _, c in runs]  # reads each done.json once
     pending = [(s, c) for (s, c), f in zip(runs, finished, strict=True) if not f]
     skipped = [s.name for (s, _), f in zip(runs, finished, strict=True) if f]
@@ -175,6 +300,10 @@ def run_all(
         t = time.perf_counter()
         resuming = os.path.isdir(os.path.join(config.workdir, "checkpoints"))
         log(f"[{done}/{total}] {'resuming' if resuming else 'running'} {spec.name}")
+        os.makedirs(config.workdir, exist_ok=True)
+        if not os.path.isfile(os.path.join(config.workdir, PROVENANCE_FILE)):
+            with open(os.path.join(config.workdir, PROVENANCE_FILE), "w", encoding="utf-8") as f:
+                json.dump(run_provenance(), f, indent=1)
         try:
             summary = train(config)
         except Exception as e:  # noqa: BLE001 - one broken run must not end a day-long grid

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from sat_jax import parallel
-from sat_jax.config.validation import check_data_rows, loss_spec
+from sat_jax.config.validation import check_data_rows, full_eval_steps, loss_spec
 from sat_jax.data import CharTokenizer, HFTokenizer, build_sources, user_prompt
 from sat_jax.models import ModelConfig, check_mesh, init_model, load_hf, param_shardings
 from sat_jax.rl import sft, trainer
@@ -173,7 +173,11 @@ def build(config, log=lambda msg: None, *, warmup: bool = True) -> Components:
         schedule=config.optim.schedule,
         total_steps=total,
     )
-    eval_examples = [eval_src[i] for i in range(min(config.eval.num_prompts, len(eval_src)))]
+    # The largest evaluation's prefix; smaller evaluations read its first rows.
+    rows = config.eval.num_prompts
+    if full_eval_steps(config):
+        rows = max(rows, config.eval.full_num_prompts)
+    eval_examples = [eval_src[i] for i in range(min(rows, len(eval_src)))]
     return Components(
         mesh=mesh,
         tokenizer=tokenizer,

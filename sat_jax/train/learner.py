@@ -36,7 +36,13 @@ import numpy as np
 from etils import epath
 
 from sat_jax import parallel
-from sat_jax.config.validation import changed_fields, loss_spec, plain, validate
+from sat_jax.config.validation import (
+    changed_fields,
+    full_eval_steps,
+    loss_spec,
+    plain,
+    validate,
+)
 from sat_jax.data import PromptIterator
 from sat_jax.rl import rng, trainer
 from sat_jax.rl.lag import LagSchedule, lag_stats
@@ -101,15 +107,21 @@ def make_source(config, parts: Components, prompts, *, first_step: int) -> Rollo
 
 
 def _eval(config, parts: Components, params, step: int) -> dict[str, float]:
-    """Held-out evaluation of ``params`` at ``step``: the same keys in training and ``eval``."""
-    return evaluate(
+    """Held-out evaluation of ``params`` at ``step``: the same keys in training and ``eval``; the
+    first ``eval.full_num_prompts`` prompts at the steps of ``eval.full_at``, the first
+    ``eval.num_prompts`` at the others (logged as ``eval/num_prompts``)."""
+    full = step in full_eval_steps(config)
+    rows = config.eval.full_num_prompts if full else config.eval.num_prompts
+    examples = parts.eval_examples[:rows]
+    result = evaluate(
         parts.engine,
         parts.rollout_view(params),
-        parts.eval_examples,
+        examples,
         config.rollout.prompts_per_step // jax.process_count(),
         rng.key(config.seed, "eval", step),
         version=step,
     )
+    return {**result, "num_prompts": float(len(examples))}
 
 
 def _restore_target(state, params, ref_params):

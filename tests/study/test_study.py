@@ -317,6 +317,51 @@ def test_finished_runs_are_skipped_and_changed_ones_rerun(tmp_path):
     assert not any(runner.is_finished(c) for _, c in other)
 
 
+def test_every_run_records_its_code_and_a_study_refuses_to_mix_code(tmp_path, monkeypatch):
+    g = study_grid.resolve(
+        "envelope", seeds=2, lags=(1,), lrs=(1e-4,), methods=("grpo",), baseline="grpo"
+    )
+    runs = study_grid.expand(g, str(tmp_path))
+    calls = []
+
+    def fake_train(config):
+        calls.append(config.seed)
+        return {"interrupted": False, "end_step": config.num_steps}
+
+    # Only the first run: the second stays pending.
+    runner.run_all(runs[:1], train=fake_train, log=lambda m: None)
+    with open(os.path.join(runs[0][1].workdir, runner.DONE_FILE), encoding="utf-8") as f:
+        recorded = json.load(f)["provenance"]
+    here = runner.run_provenance()
+    assert recorded == here and len(here["code"]) == 16
+    assert {"commit", "jax", "jaxlib", "python", "devices", "cpu"} <= set(here)
+    # Another program (any change to the package source) may not add runs to this study.
+    monkeypatch.setattr(runner, "run_provenance", lambda: {**here, "code": "0123456789abcdef"})
+    with pytest.raises(runner.MixedCodeError, match=runs[0][0].name):
+        runner.run_all(runs, train=fake_train, log=lambda m: None)
+    assert calls == [0]  # refused before anything ran
+    # A started but unfinished run records its code too: resuming it with other code is refused.
+    monkeypatch.undo()
+    os.makedirs(runs[1][1].workdir)
+    with open(os.path.join(runs[1][1].workdir, runner.PROVENANCE_FILE), "w") as f:
+        json.dump({**here, "code": "fedcba9876543210"}, f)
+    with pytest.raises(runner.MixedCodeError, match="fedcba9876543210"):
+        runner.run_all(runs, train=fake_train, log=lambda m: None)
+
+
+def test_code_digest_reads_the_source(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    (pkg / "notes.txt").write_text("not code")
+    first = runner.code_digest(str(pkg))
+    (pkg / "notes.txt").write_text("still not code")
+    assert runner.code_digest(str(pkg)) == first
+    (pkg / "sub" / "b.py").write_text("y = 3\n")
+    assert runner.code_digest(str(pkg)) != first
+
+
 def test_an_interrupted_run_stops_the_grid_unmarked(tmp_path):
     g = study_grid.resolve(
         "envelope", seeds=3, lags=(1,), lrs=(1e-4,), methods=("grpo",), baseline="grpo"
