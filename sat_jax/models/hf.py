@@ -5,8 +5,8 @@ checkpoint.
 A checkpoint directory holds ``config.json`` and either one ``model.safetensors`` or shards
 ``model-0000i-of-0000n.safetensors`` listed by ``model.safetensors.index.json`` (``{"metadata":
 {"total_size": bytes}, "weight_map": {tensor name: shard file}}``), as written by ``transformers``'
-``save_pretrained`` and published for Qwen3-30B-A3B(-Base). Everything here reads and writes local
-paths only.
+``save_pretrained`` and published for Qwen3-30B-A3B(-Base). Loading reads a local directory;
+saving writes one, or a ``gs://`` URL.
 
 Name and layout map (HF tensor → ``Transformer`` parameter path and index; "ᵀ" marks a transpose
 because ``torch.nn.Linear.weight`` is [out, in] while our ``Dense.kernel`` is [in, out]). Blocks
