@@ -1,17 +1,12 @@
 """Paths and configs a user gets wrong fail in one line: an unwritable workdir or warm-up cache
 directory, and ``sat-jax eval`` with a config other than the run's."""
 
-import sys
-from pathlib import Path
-
 import pytest
+from _tiny_models import tiny_run as tiny
 from test_cli import run_cli
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "rl"))
-from test_rl_system import tiny  # noqa: E402
-
-from sat_jax import config as config_lib  # noqa: E402
-from sat_jax.train import learner  # noqa: E402
+from sat_jax import config as config_lib
+from sat_jax.train import learner
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax.numpy as jnp
@@ -33,6 +34,9 @@ def gcs():
     saved = dict(os.environ)
     server = fake_gcs.FakeGCSServer()
     server.start()  # sets STORAGE_EMULATOR_HOST (google-cloud-storage, gcsfs)
+    # The wrapper pipes the server's request log and never reads it: once the pipe is full the
+    # server blocks, so it is drained here.
+    threading.Thread(target=server._process.stderr.read, daemon=True).start()
     os.environ["TENSORSTORE_GCS_HTTP_URL"] = server.url
     os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "emulator"
     client = storage.Client()
@@ -187,3 +191,26 @@ def test_two_trainers_on_one_bucket(gcs, tmp_path):
         assert ckpt.all_steps() and ckpt.latest_step() >= 2
     assert gcs.get_blob("runs/two/metrics.jsonl") is not None
     assert gcs.get_blob("runs/two/.sat_jax.lock") is None
+
+
+def test_save_hf_writes_to_the_bucket(gcs, tmp_path, monkeypatch):
+    pytest.importorskip("safetensors")
+    import jax
+    import numpy as np
+    from _tiny_models import mixed_moe
+
+    from sat_jax.models import init_model, load_hf, save_hf
+
+    monkeypatch.chdir(tmp_path)
+    cfg = mixed_moe()
+    _, params = init_model(cfg, seed=0)
+    url = f"gs://{BUCKET}/export/model"
+    assert save_hf(url, cfg, params, max_shard_size="20KB") == url
+    assert os.listdir(tmp_path) == []  # no local "gs:" folder
+    local = tmp_path / "copy"
+    local.mkdir()
+    for blob in gcs.list_blobs(prefix="export/model/"):
+        blob.download_to_filename(local / blob.name.rsplit("/", 1)[1])
+    _, _, loaded = load_hf(local)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
