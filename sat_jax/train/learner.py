@@ -9,8 +9,10 @@ source's business (``sat_jax.rl.rollout_sources``), building the components is
 ``sat_jax.train.components``,
 stop signals, the non-finite-update guard and timers are ``sat_jax.train.controls``.
 
-Safety: one process trains in a workdir at a time (``sat_jax.run.lock``); SIGINT and SIGTERM
-save a checkpoint and stop, on every host after the same step; an update with a non-finite loss
+Safety: one process trains in a workdir at a time (``sat_jax.run.lock``, in the bucket for a
+``gs://`` workdir, checked before every checkpoint write); SIGINT and SIGTERM at any moment (the
+closing evaluation and save included) end with a checkpoint on every host, after the same step,
+and the signal's exit status everywhere; an update with a non-finite loss
 or gradient is not applied, and ``optim.max_nonfinite_steps`` such steps in a row stop the run
 (:class:`NonFiniteError`); no checkpoint is written with a non-finite value, and a restored one
 is checked (``sat_jax.run.checkpoint``).
