@@ -1,7 +1,36 @@
 """The smallest model configs and run configs the sharding, checkpoint, Hugging Face and
-system tests share."""
+system tests share, and a tokenizer trained on the spot."""
+
+import json
+import os
 
 from sat_jax.models import ModelConfig
+
+CHAT_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def train_bpe_tokenizer(path, texts, vocab_size: int = 300) -> str:
+    """A byte-level BPE ``tokenizer.json`` (and ``tokenizer_config.json``) trained on ``texts``
+    into directory ``path``, with the chat format's special tokens: a Hugging Face tokenizer made
+    with no download. Returns ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=CHAT_SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}, f)
+    return str(path)
 
 
 def mixed_moe(**overrides) -> ModelConfig:

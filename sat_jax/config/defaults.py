@@ -31,7 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     # Data: a built-in task, a JSONL file or a TFDS array_record dataset.
     c.data = ml_collections.ConfigDict()
-    c.data.source = "task"  # task | jsonl | tfds
+    c.data.source = "task"  # task | jsonl | tfds | reasoning_gym
     c.data.task = "addition"
     c.data.num_digits = 2
     # Difficulty mixture of long_multiplication ("AxB" operand digits) and sort_digits ("N"
@@ -52,6 +52,19 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.tokenizer = "char"  # "char" or a local directory with tokenizer.json
     c.data.eos_token = ""  # HF tokenizers: the token that ends a response (e.g. "<|im_end|>")
     c.data.chat_template = False  # wrap each prompt as one user turn (Qwen chat format)
+    # data.source=reasoning_gym (pip install "sat-jax[tasks]";
+    # sat_jax/data/reasoning_gym_source.py): generators "NAME" or "NAME:WEIGHT,...", each one's
+    # config fields under rg.config.NAME (e.g. rg.config.countdown.max_numbers), a train split of
+    # rg.train_size and a held-out split of data.eval_size examples, disjoint, fixed by rg.seed.
+    # The reward is the generator's scorer: 1 for a full score, else 0 (rg.partial_credit: the
+    # score). rg.answer_format: "tags" (<answer>...</answer>) or "plain" (the whole completion).
+    c.data.rg = ml_collections.ConfigDict()
+    c.data.rg.datasets = ""
+    c.data.rg.config = ml_collections.ConfigDict()
+    c.data.rg.train_size = 10000
+    c.data.rg.seed = 0
+    c.data.rg.partial_credit = False
+    c.data.rg.answer_format = "tags"
 
     # Policy: ModelConfig fields (see sat_jax.models.ModelConfig); vocab comes from the tokenizer.
     c.model = ml_collections.ConfigDict()

@@ -215,8 +215,8 @@ def _check_optim(config) -> None:
 
 def _check_data(config) -> None:
     d = config.data
-    if d.source not in ("task", "jsonl", "tfds"):
-        _fail(f"data.source must be task|jsonl|tfds, got {d.source!r}")
+    if d.source not in ("task", "jsonl", "tfds", "reasoning_gym"):
+        _fail(f"data.source must be task|jsonl|tfds|reasoning_gym, got {d.source!r}")
     for name in ("max_prompt_len", "max_new_tokens"):
         if d[name] < 1:
             _fail(f"data.{name} must be >= 1, got {d[name]}")
@@ -226,6 +226,13 @@ def _check_data(config) -> None:
         for what, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
             if (path or what == "data.path") and not os.path.isfile(os.path.expanduser(path)):
                 _fail(f"{what} {path!r} does not exist (data.source=jsonl)")
+    if d.source == "reasoning_gym":
+        from sat_jax.data.reasoning_gym_source import check_data_config
+
+        try:
+            check_data_config(d)
+        except (ValueError, ImportError) as e:
+            _fail(str(e))
     if d.source == "tfds" and not d.tfds_name:
         _fail("data.tfds_name is required for data.source=tfds")
     for what, path in (

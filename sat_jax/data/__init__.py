@@ -1,11 +1,13 @@
 """Data layer: tokenizers (built-in characters, Hugging Face, the Qwen chat format), built-in
-tasks, prompt sources and building a run's sources from its settings, a resumable iterator, math
-answer verification and evaluation metrics.
+tasks, prompt sources (JSONL, TFDS, reasoning-gym) and building a run's sources from its
+settings, a resumable iterator, answer grading with a deadline (our numbers, math-verify) and
+evaluation metrics.
 
-tensorflow-datasets is imported only when a `TfdsSource` is built.
+tensorflow-datasets and reasoning-gym are imported only when their source is built.
 """
 
 from sat_jax.data.evaluation import avg_at_k, evaluate, mean_pass_at_k, pass1, pass_at_k
+from sat_jax.data.grading import Grader
 from sat_jax.data.iterator import PromptIterator
 from sat_jax.data.math_verify import (
     extract_answer,
@@ -22,6 +24,11 @@ from sat_jax.data.prompt_sources import (
     TfdsSource,
     build_sources,
     check_prompts,
+)
+from sat_jax.data.reasoning_gym_source import (
+    ReasoningGymSource,
+    ReasoningGymTask,
+    reasoning_gym_splits,
 )
 from sat_jax.data.tasks import (
     MIXTURE_TASKS,
@@ -67,11 +74,14 @@ __all__ = [
     "Example",
     "HFTokenizer",
     "JsonlSource",
+    "Grader",
     "ListSource",
     "LongMultiplicationTask",
     "MultiplicationTask",
     "PromptIterator",
     "PromptSource",
+    "ReasoningGymSource",
+    "ReasoningGymTask",
     "SortDigitsTask",
     "TaskSource",
     "Task",
@@ -95,6 +105,7 @@ __all__ = [
     "pass1",
     "pass_at_k",
     "qwen_chat_prompt",
+    "reasoning_gym_splits",
     "task_from_config",
     "user_prompt",
 ]

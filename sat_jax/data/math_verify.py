@@ -1,27 +1,29 @@
-"""Numeric answer verification for math datasets (GSM8K-style and MATH-style numeric answers).
+"""Answer grading for maths datasets: our exact numbers, math-verify for everything else.
 
-``math_reward(completion, reference)`` extracts the final answer from the completion, normalises
-both sides to numbers and compares them with a tolerance. Extraction order, first hit wins:
+``math_reward(completion, reference)`` takes the answer the completion *marks*, and only that:
 
 1. the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced;
-2. the last ``#### X`` (GSM8K's answer marker);
-3. the last "answer is X" / "answer: X";
-4. the last number anywhere in the text.
+2. else the last ``#### X`` (GSM8K's marker), its first number when text follows.
 
-Normalisation removes ``$``, spaces, LaTeX spacing, ``\\text{...}`` units after a number
-("5\\text{ cm}"), thousands separators ("1,234"), a leading ``+`` and a trailing period, and
-understands ``\\frac{a}{b}`` (also ``\\dfrac``, ``\\tfrac``, ``\\frac12``), ``a/b``, decimals,
-scientific notation and percentages (``50%`` matches both 50 and 0.5). Numbers are parsed exactly
-(as fractions), in plain decimal notation only: ``1_000``, ``inf`` or ``nan`` are not numbers.
+An unmarked completion scores 0: a number merely present in the text ("I tried 12, 13, 14")
+never counts, so a policy cannot collect reward by listing candidates.
 
-Comparison:
+The marked answer is then compared with the reference:
 
-* an integer reference (``"1000000"``, ``"1e6"``, ``"4/2"``) needs exactly that value: no
-  tolerance, so ``1000001`` does not pass for ``1000000``;
-* other numbers match within ``rel_tol`` / ``abs_tol`` (``0.3333333`` for ``1/3``);
-* if either side is not a number, the normalised texts are compared exactly, with a ``\\text{}``
-  answer kept as its text (``\\text{(A)}`` is ``(A)``); an answer that normalises to nothing
-  (``\\boxed{$$}``) scores 0.
+* **both sides plain numbers** (integers, decimals, ``a/b``, ``\\frac{a}{b}``, thousands separators,
+  a ``\\text{}`` unit after the number, percentages): ours, exactly (as fractions). An integer
+  reference needs exactly that value, so ``1000001`` does not pass for ``1000000``; other values
+  match within ``rel_tol`` / ``abs_tol``; ``50%`` matches both 50 and 0.5. Numbers are parsed in
+  plain decimal notation only (``1_000``, ``inf``, ``nan`` are not numbers) and at most 400
+  digits long, so this path is linear in the answer;
+* **anything else** (``\\sqrt{2}/2``, ``\\pi``, sets, intervals, equations, multiple-choice
+  letters): the `math-verify` package (``pip install "sat-jax[tasks]"``), run by
+  `sat_jax.data.grading.Grader` in a worker process with a deadline per answer (a pathological
+  answer scores 0 instead of stalling the rollout). Without math-verify installed, the normalised
+  texts must be equal (a ``\\text{}`` answer kept as its text: ``\\text{(A)}`` is ``(A)``).
+
+``tests/data/test_math_verify.py`` holds a table of answer pairs graded both ways, with the rows
+where this module and math-verify alone differ and why.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ import re
 from fractions import Fraction
 from typing import Any
 
+from sat_jax.data.grading import Grader, available, default_grader
+
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _HASHES = re.compile(r"####\s*([^\n]*)")
-_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?\s*([^\n]*)", re.IGNORECASE)
 # A number in running text: \frac forms, or digits with optional thousands commas, decimals, a
 # fraction bar and a percent sign. A sign counts only where it cannot be a binary operator
 # ("10-3" is 10 and 3, not -3).
@@ -80,27 +83,16 @@ def _last_boxed(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final-answer string of a completion (see module docstring for the order), or None."""
+    """The answer ``text`` marks (last ``\\boxed{}``, else last ``####``), or None."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
-    marked = _marked_answer(text)
-    if marked is not None:
-        return marked
-    numbers = _NUMBER_IN_TEXT.findall(text)
-    return numbers[-1].strip() if numbers else None
-
-
-def _marked_answer(text: str) -> str | None:
-    """The answer behind an explicit marker (boxed, ####, "answer is"), or None."""
     boxed = _last_boxed(text)
     if boxed is not None and boxed.strip():
         return boxed.strip()
-    for pattern in (_HASHES, _ANSWER_IS):
-        hits = pattern.findall(text)
-        for tail in reversed(hits):
-            candidate = _candidate_from_tail(tail)
-            if candidate is not None:
-                return candidate
+    for tail in reversed(_HASHES.findall(text)):
+        candidate = _candidate_from_tail(tail)
+        if candidate is not None:
+            return candidate
     return None
 
 
@@ -201,42 +193,48 @@ def math_reward(
     *,
     rel_tol: float = 1e-6,
     abs_tol: float = 1e-9,
+    grader: Grader | None = None,
 ) -> float:
-    """1.0 if the final answer of ``completion`` equals ``reference``, else 0.0.
+    """1.0 if the answer ``completion`` marks equals ``reference``, else 0.0.
 
     Args:
       completion: model output text.
       reference: the gold answer: a number, or a string such as ``"72"``, ``"\\frac{1}{2}"``,
-        ``"1,000"``, or a full GSM8K solution ending in ``"#### 72"``.
+        ``"\\sqrt{2}"``, ``"B"``, or a full GSM8K solution ending in ``"#### 72"``.
       rel_tol, abs_tol: numeric tolerance, as in `math.isclose`, for a reference that is not an
         integer (an integer reference is matched exactly).
+      grader: the `Grader` that runs math-verify (default: this process's shared one).
     """
+    if isinstance(reference, bool) or not isinstance(reference, int | float | str):
+        raise TypeError(f"reference must be a number or a string, got {type(reference).__name__}")
     predicted = extract_answer(completion)
     if predicted is None:
         return 0.0
-    if isinstance(reference, bool):
-        raise TypeError("reference must be a number or a string, got bool")
     if isinstance(reference, int | float):
         if not math.isfinite(reference):
             raise ValueError(f"reference must be a finite number, got {reference!r}")
         ref_values = [Fraction(reference)]
         ref_text = repr(reference)
-    elif isinstance(reference, str):
+    else:
         ref_values = _number_candidates(reference)
         if not ref_values:
             # A worked solution as the reference ("... #### 72"): take its marked final answer.
-            extracted = _marked_answer(reference)
+            extracted = extract_answer(reference)
             if extracted is not None:
                 reference = extracted
                 ref_values = _number_candidates(reference)
         ref_text = reference
-    else:
-        raise TypeError(f"reference must be a number or a string, got {type(reference).__name__}")
     pred_values = _number_candidates(predicted)
     if pred_values and ref_values:
         # A percent sign on either side allows the face value or the fraction.
         hit = any(_close(p, r, rel_tol, abs_tol) for p in pred_values for r in ref_values)
         return float(hit)
+    if available("math_verify"):
+        grader = grader or default_grader()
+        if not grader.fits(predicted, ref_text):
+            return 0.0
+        ok, equal = grader.call("math_verify", ref_text.strip(), predicted)
+        return float(ok and equal)
     predicted, ref_text = normalize_answer(predicted), normalize_answer(ref_text)
     return float(bool(predicted) and predicted == ref_text)
 

@@ -2,15 +2,17 @@
 
 Every source is a `PromptSource`: ``len(source)``, ``source[i]`` (a dict with at least
 ``"prompt"`` and ``"answer"`` as str, plus ``"index"`` = i) and ``source.reward(completion,
-example)``. Iterating a source yields its examples in order. Three kinds:
+example)``. Iterating a source yields its examples in order. Four kinds:
 
 * `TaskSource`: one split of a built-in `Task` (exact-match reward of the task).
 * `JsonlSource`: a JSONL file of ``{"prompt": ..., "answer": ...}`` records.
 * `TfdsSource`: a TFDS dataset stored as ``array_record``, read without TensorFlow through
   ``tfds.data_source``. tensorflow-datasets is imported only when one is built.
+* `ReasoningGymSource` (``sat_jax.data.reasoning_gym_source``): one split of reasoning-gym
+  generators, scored by each generator's own scorer.
 
-File and TFDS sources score with `math_reward_fn` (numeric verification) unless given a
-``reward_fn``.
+File and TFDS sources score with `math_reward_fn` (marked answers only: numbers exactly,
+anything else by math-verify) unless given a ``reward_fn``.
 
 `check_prompts` encodes every prompt of any source as the rollout engine will and raises one
 error naming the row when one does not fit the prompt slots or the tokenizer, so bad data stops
@@ -387,6 +389,10 @@ def build_sources(data) -> tuple[PromptSource, PromptSource, Task | None]:
     if d.source == "task":
         task = task_from_config(d)
         return TaskSource(task, "train"), TaskSource(task, "eval"), task
+    if d.source == "reasoning_gym":
+        from sat_jax.data.reasoning_gym_source import reasoning_gym_sources
+
+        return reasoning_gym_sources(d)
     if d.source == "jsonl":
 
         def jsonl(path):

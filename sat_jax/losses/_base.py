@@ -14,10 +14,11 @@ import numbers
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from sat_jax import _checks
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
@@ -81,26 +82,16 @@ def _as_array(name: str, x: Any) -> Array:
 def check_float(name: str, x: Any, shape: tuple[int, ...] | None = None, rank: int | None = None):
     """Returns ``x`` as a float32 array after checking its dtype, rank and shape."""
     x = _as_array(name, x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"`{name}` must have a floating dtype, got {x.dtype}.")
+    _checks.check_floating(name, x)
     if rank is not None:
-        _chex_check(chex.assert_rank, x, rank, f"`{name}` must have rank {rank}, got shape")
+        _checks.check_rank(name, x, rank)
     if shape is not None:
         _check_shape(name, x, shape)
     return x.astype(jnp.float32)
 
 
-def _chex_check(assertion, x: Array, expected, message: str) -> None:
-    # chex's own message names no argument, so its AssertionError becomes a ValueError that does.
-    try:
-        assertion(x, expected)
-    except AssertionError as e:
-        raise ValueError(f"{message} {tuple(x.shape)}.") from e
-
-
 def _check_shape(name: str, x: Array, shape: tuple[int, ...]) -> None:
-    shape = tuple(shape)
-    _chex_check(chex.assert_shape, x, shape, f"`{name}` must have shape {shape}, got")
+    _checks.check_shape(name, x, shape)
 
 
 def check_mask(mask: Any, shape: tuple[int, ...], name: str = "mask") -> Array:

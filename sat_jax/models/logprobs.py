@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sat_jax.models import _checks
+from sat_jax import _checks
 
 
 def scale_logits(logits: jax.Array, temperature: float | jax.Array) -> jax.Array:

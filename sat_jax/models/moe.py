@@ -100,7 +100,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sat_jax.models import _checks
+from sat_jax import _checks
 
 IMPLS = ("auto", "dense", "ragged", "blocked")
 
@@ -228,16 +228,14 @@ def _check_inputs(x, indices, weights, gate_proj, up_proj, down_proj, impl, bloc
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     _checks.check_rank("x", x, 2)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"x must be floating point, got dtype {x.dtype}")
+    _checks.check_floating("x", x)
     n, d = x.shape
     _checks.check_rank("indices", indices, 2)
     k = indices.shape[1]
     _checks.check_shape("indices", indices, (n, k))
     _checks.check_integer("indices", indices)
     _checks.check_shape("weights", weights, (n, k))
-    if not jnp.issubdtype(weights.dtype, jnp.floating):
-        raise ValueError(f"weights must be floating point, got dtype {weights.dtype}")
+    _checks.check_floating("weights", weights)
     _checks.check_rank("gate_proj", gate_proj, 3)
     e, _, f = gate_proj.shape
     _checks.check_shape("gate_proj", gate_proj, (e, d, f))

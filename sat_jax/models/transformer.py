@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from sat_jax.models import _checks
+from sat_jax import _checks
 from sat_jax.models import sharding as _sharding
 from sat_jax.models.config import ModelConfig
 from sat_jax.models.layers import (

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sat_jax.models import _checks
+from sat_jax import _checks
 from sat_jax.models.sharding import BATCH_AXES
 
 # Fields whose batch dimension is not axis 0.

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sat_jax.models import _checks
+from sat_jax import _checks
 from sat_jax.models.config import ModelConfig
 from sat_jax.models.layers import LayerCache
 from sat_jax.models.logprobs import apply_support_cutoff, scale_logits

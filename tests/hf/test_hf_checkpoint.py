@@ -10,6 +10,7 @@ import math
 import os
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,11 +97,9 @@ def test_single_file_and_bfloat16(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
     config, graphdef, loaded = load_hf(tmp_path, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     assert config.dtype == jnp.bfloat16
-    for k, v in _leaves(loaded).items():
-        assert v.dtype == jnp.bfloat16, k
+    chex.assert_type(list(_leaves(loaded).values()), jnp.bfloat16)
     want = _leaves(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
-    for k, v in _leaves(loaded).items():
-        np.testing.assert_array_equal(v, want[k])
+    chex.assert_trees_all_equal(_leaves(loaded), want)
     # Saving again into the same directory as shards removes the stale single file.
     save_hf(tmp_path, CFG, params, max_shard_size="16KB")
     assert not (tmp_path / "model.safetensors").exists()

@@ -8,6 +8,7 @@ and must reproduce its logits. The R3 replay path and the sampler then run on th
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,7 +119,7 @@ def _check_routing(routers, ours, k, valid):
         srt = np.sort(z, axis=-1)[..., ::-1]
         decisive = (srt[..., k - 1] - srt[..., k] > 1e-5) & valid
         assert decisive.mean() > 0.8 * valid.mean()
-        np.testing.assert_array_equal(
+        chex.assert_trees_all_equal(
             top[decisive], np.sort(np.asarray(ours[layer]), axis=-1)[decisive]
         )
 
@@ -135,7 +136,7 @@ def test_logits_routing_and_resave_match_transformers(case, tokens, tmp_path):
     ref_logits, routers = _hf_forward(model, tokens, None if mask.all() else mask)
     out = _forward(graphdef, params, jnp.asarray(tokens), jnp.asarray(mask))
     got = np.asarray(out.logits)
-    np.testing.assert_allclose(got[mask], ref_logits[mask], atol=1e-4, rtol=0)
+    chex.assert_trees_all_close(got[mask], ref_logits[mask], rtol=0, atol=1e-4)
     _check_routing(routers, out.routing, config.num_experts_per_tok, mask)
     if name == "dense_qwen3":
         assert config.num_moe_layers == 0 and out.routing.shape[0] == 0
@@ -146,7 +147,7 @@ def test_logits_routing_and_resave_match_transformers(case, tokens, tmp_path):
     reloaded, info = type(model).from_pretrained(dst, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     resaved_logits, _ = _hf_forward(reloaded.eval(), tokens, None if mask.all() else mask)
-    np.testing.assert_allclose(resaved_logits[mask], ref_logits[mask], atol=1e-6, rtol=0)
+    chex.assert_trees_all_close(resaved_logits[mask], ref_logits[mask], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", ["moe_norm_topk_mlp_only"], indirect=True)
@@ -170,7 +171,7 @@ def test_sampler_and_r3_replay_on_loaded_model(case):
             pad_token_id=0,
         )
     n = int(greedy.response_lengths[0])
-    np.testing.assert_array_equal(
+    chex.assert_trees_all_equal(
         np.asarray(greedy.response_tokens[0, :n]), ref.numpy()[0, 4 : 4 + n]
     )
 
@@ -183,8 +184,8 @@ def test_sampler_and_r3_replay_on_loaded_model(case):
     )(params, out.tokens, out.input_mask, out.routing)
     rm = np.asarray(out.response_mask)
     assert rm.sum() > 0
-    np.testing.assert_allclose(
-        np.asarray(logp)[rm], np.asarray(out.behavior_logp)[rm], atol=1e-5, rtol=0
+    chex.assert_trees_all_close(
+        np.asarray(logp)[rm], np.asarray(out.behavior_logp)[rm], rtol=0, atol=1e-5
     )
     # Replay used exactly the recorded experts.
-    np.testing.assert_array_equal(np.asarray(aux["routing"]), np.asarray(out.routing))
+    chex.assert_trees_all_equal(np.asarray(aux["routing"]), np.asarray(out.routing))

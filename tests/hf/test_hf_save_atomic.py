@@ -9,8 +9,8 @@ import os
 import subprocess
 import sys
 
+import chex
 import jax
-import numpy as np
 import pytest
 
 pytest.importorskip("safetensors", reason="needs the safetensors package (sat_jax[hf])")
@@ -32,8 +32,7 @@ MODEL = ModelConfig(
 
 def _assert_params(path, expected):
     _, _, params = load_hf(path)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(jax.tree.leaves(params), jax.tree.leaves(expected))
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])

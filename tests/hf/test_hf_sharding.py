@@ -4,6 +4,7 @@ one, and load_hf(mesh=...) placing each tensor straight into that layout."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,11 +61,9 @@ def test_sharded_forward_matches_unsharded(mesh):
     graphdef, params = init_model(CFG, seed=1)
     _, sharded = init_model(CFG, seed=1, mesh=mesh)
     # Same values whatever the placement; each device holds only its shard.
-    jax.tree.map(
-        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, sharded
-    )
+    chex.assert_trees_all_equal(params, sharded)
     experts = sharded["moe_layers"]["mlp"]["gate_proj"][...]
-    assert experts.addressable_shards[0].data.shape == (2, 2, 16, 8)  # [L, E/2, d/2, f/2]
+    chex.assert_shape(experts.addressable_shards[0].data, (2, 2, 16, 8))  # [L, E/2, d/2, f/2]
     tokens = jax.random.randint(jax.random.key(0), (4, 10), 0, CFG.vocab_size)
     mask = jnp.ones((4, 10), bool).at[1, :3].set(False)
 
@@ -72,8 +71,8 @@ def test_sharded_forward_matches_unsharded(mesh):
     want = fwd(params, tokens, mask)
     batch = NamedSharding(mesh, P(("data", "fsdp")))
     got = fwd(sharded, jax.device_put(tokens, batch), jax.device_put(mask, batch))
-    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=2e-5, rtol=0)
-    np.testing.assert_array_equal(np.asarray(got.routing), np.asarray(want.routing))
+    chex.assert_trees_all_close(np.asarray(got.logits), np.asarray(want.logits), rtol=0, atol=2e-5)
+    chex.assert_trees_all_equal(np.asarray(got.routing), np.asarray(want.routing))
 
 
 def test_load_hf_places_on_the_mesh(mesh, tmp_path):
@@ -86,13 +85,11 @@ def test_load_hf_places_on_the_mesh(mesh, tmp_path):
     want = _specs(param_shardings(CFG, mesh))
     for path, leaf in jax.tree_util.tree_flatten_with_path(placed)[0]:
         assert leaf.sharding == want[param_path(path)], param_path(path)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), placed, params
-    )
+    chex.assert_trees_all_equal(placed, params)
     tokens = jnp.arange(20, dtype=jnp.int32).reshape(2, 10)
     fwd = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t).logits)
-    np.testing.assert_allclose(
-        np.asarray(fwd(placed, tokens)), np.asarray(fwd(params, tokens)), atol=1e-5, rtol=0
+    chex.assert_trees_all_close(
+        np.asarray(fwd(placed, tokens)), np.asarray(fwd(params, tokens)), rtol=0, atol=1e-5
     )
     with pytest.raises(ValueError, match=r"'expert' \(8\).*num_experts=4"):
         load_hf(tmp_path, mesh=parallel.make_mesh(num_data=1, expert=8))

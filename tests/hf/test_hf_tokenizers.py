@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import chex
 import numpy as np
 import pytest
 
@@ -99,7 +100,8 @@ def test_chat_template_matches_hand_written_string(tok_dir):
     assert tok.decode(ids, stop_at_eos=False) == expected
     assert tok.decode(ids) == "<|im_start|>system\nYou are a helpful assistant."
     ids, lengths = tok.batch_encode([expected, "What"], pad_to=64)
-    assert ids.shape == (2, 64) and ids.dtype == np.int32
+    chex.assert_shape(ids, (2, 64))
+    chex.assert_type(ids, np.int32)
     assert tok.decode(ids[0, : lengths[0]], stop_at_eos=False) == expected
     assert (ids[1, lengths[1] :] == tok.pad_id).all()
 

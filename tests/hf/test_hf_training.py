@@ -85,7 +85,8 @@ def test_hf_checkpoint_trains_through_the_learner(tmp_path):
     assert summary["end_step"] == 2
     assert all(np.isfinite(h["loss/total"]) for h in summary["history"])
     final = summary["final_eval"]
-    assert len(parts.eval_examples) == 4 and set(final) == {"pass@1", "avg@4", "pass@4"}
+    assert len(parts.eval_examples) == 4
+    assert set(final) == {"pass@1", "avg@4", "pass@4", "num_prompts"} and final["num_prompts"] == 4
     # 0/1 verifier rewards: pass@1 counts correct samples of 16, pass@4 prompts with one of 4.
     assert final["pass@1"] * 16 == round(final["pass@1"] * 16)
     assert final["pass@4"] * 4 == round(final["pass@4"] * 4)

@@ -2,6 +2,7 @@
 autodiff of the softmax program for every chunking (values, gradients, bf16), what the backward
 keeps, the chunked program's smaller scores, the model with chunked attention, bad input."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,7 @@ def _plain(q, k, v, allowed):
 
 def test_reference_is_the_plain_program(inputs):
     q, k, v, allowed, _ = inputs
-    np.testing.assert_array_equal(attend_reference(q, k, v, allowed), _plain(q, k, v, allowed))
+    chex.assert_trees_all_equal(attend_reference(q, k, v, allowed), _plain(q, k, v, allowed))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_zero_queries_average_the_visible_values_by_hand(chunk):
 @pytest.mark.parametrize("chunk", [0, 1, 3, 4, T, 10])
 def test_equals_plain_autodiff(inputs, chunk):
     q, k, v, allowed, ct = inputs
-    np.testing.assert_allclose(
+    chex.assert_trees_all_close(
         attend(q, k, v, allowed, chunk=chunk), _plain(q, k, v, allowed), rtol=1e-5, atol=1e-6
     )
 
@@ -64,28 +65,32 @@ def test_equals_plain_autodiff(inputs, chunk):
 
     got = grads(lambda q, k, v: attend(q, k, v, allowed, chunk=chunk))
     want = grads(lambda q, k, v: _plain(q, k, v, allowed))
-    for name, a, b in zip("qkv", got, want, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)  # (dq, dk, dv)
 
 
 @pytest.mark.parametrize("chunk", [0, 3])
 def test_bfloat16_close_to_plain(inputs, chunk):
     q, k, v, allowed, ct = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x for x in inputs)
     out = attend(q, k, v, allowed, chunk=chunk)
-    assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(
-        np.asarray(out, np.float32), np.asarray(_plain(q, k, v, allowed), np.float32), atol=2e-2
+    chex.assert_type(out, jnp.bfloat16)
+    chex.assert_trees_all_close(
+        np.asarray(out, np.float32),
+        np.asarray(_plain(q, k, v, allowed), np.float32),
+        rtol=1e-7,
+        atol=2e-2,
     )
     dq, dk, dv = jax.grad(
         lambda q, k, v: jnp.sum((attend(q, k, v, allowed, chunk=chunk) * ct).astype(jnp.float32)),
         (0, 1, 2),
     )(q, k, v)
-    assert dq.dtype == dk.dtype == dv.dtype == jnp.bfloat16
+    chex.assert_type([dq, dk, dv], jnp.bfloat16)
     wq, wk, wv = jax.grad(
         lambda q, k, v: jnp.sum((_plain(q, k, v, allowed) * ct).astype(jnp.float32)), (0, 1, 2)
     )(q, k, v)
     for a, b in ((dq, wq), (dk, wk), (dv, wv)):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=6e-2)
+        chex.assert_trees_all_close(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-7, atol=6e-2
+        )
 
 
 def test_backward_keeps_no_score_sized_array(inputs):
@@ -134,8 +139,8 @@ def test_model_with_chunked_attention_equals_whole():
 
     (_, want), want_g = run(graphdef)
     (_, got), got_g = run(chunked_def)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got_g, want_g)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(got_g, want_g, rtol=1e-4, atol=1e-6)
 
 
 def test_bad_input_is_named():

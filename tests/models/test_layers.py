@@ -2,6 +2,7 @@
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +24,8 @@ def test_rmsnorm_keeps_dtype_and_normalises_in_float32():
     norm = RMSNorm(4, eps=1e-6)
     x = jnp.array([[1.0, -2.0, 3.0, -4.0]], jnp.bfloat16)
     y = norm(x)
-    assert y.dtype == jnp.bfloat16
-    np.testing.assert_allclose(jnp.mean(jnp.square(y.astype(jnp.float32))), 1.0, rtol=1e-2)
+    chex.assert_type(y, jnp.bfloat16)
+    chex.assert_trees_all_close(jnp.mean(jnp.square(y.astype(jnp.float32))), 1.0, rtol=1e-2)
 
 
 def test_rotary_hand_example_and_identity_at_zero():
@@ -33,7 +34,7 @@ def test_rotary_hand_example_and_identity_at_zero():
     y = rotary(x, jnp.array([[1]]), theta=10000.0)
     np.testing.assert_allclose(y.reshape(2), [math.cos(1.0), math.sin(1.0)], rtol=1e-6)
     z = jax.random.normal(jax.random.key(0), (1, 1, 2, 8))
-    np.testing.assert_allclose(rotary(z, jnp.array([[0]]), 10000.0), z, rtol=1e-6)
+    chex.assert_trees_all_close(rotary(z, jnp.array([[0]]), 10000.0), z, rtol=1e-6)
 
 
 def test_rotary_relative_position_invariance():
@@ -46,7 +47,7 @@ def test_rotary_relative_position_invariance():
 
     base = score(5, 2)
     for shift in (1, 7, 40):
-        np.testing.assert_allclose(score(5 + shift, 2 + shift), base, rtol=1e-4, atol=1e-5)
+        chex.assert_trees_all_close(score(5 + shift, 2 + shift), base, rtol=1e-4, atol=1e-5)
     assert abs(float(score(6, 2) - base)) > 1e-3  # and it does depend on the offset
 
 
@@ -73,7 +74,9 @@ def test_replaying_the_fresh_choice_reproduces_the_fresh_gates_exactly():
     chosen = jnp.sum(jax.nn.one_hot(idx, 8), axis=-2)
     probs = jax.nn.softmax(z, axis=-1)
     renorm = probs * chosen / jnp.sum(probs * chosen, axis=-1, keepdims=True)
-    np.testing.assert_allclose(routing_gates(z, idx, norm_topk_prob=True), renorm, atol=1e-6)
+    chex.assert_trees_all_close(
+        routing_gates(z, idx, norm_topk_prob=True), renorm, rtol=1e-7, atol=1e-6
+    )
 
 
 def test_replayed_gates_pass_gradients_to_router_logits():
@@ -82,17 +85,18 @@ def test_replayed_gates_pass_gradients_to_router_logits():
     w = jnp.array([1.0, 2.0, 3.0, 4.0])
     grad = jax.grad(lambda z_: jnp.sum(routing_gates(z_, idx, norm_topk_prob=True) * w))(z)
     assert float(jnp.abs(grad[0])) > 0 and float(jnp.abs(grad[1])) > 0
-    np.testing.assert_allclose(grad[2:], 0.0)  # experts outside I get no gate and no gradient
+    # Experts outside I get no gate and no gradient.
+    chex.assert_trees_all_close(grad[2:], 0.0, rtol=1e-7)
 
 
 def test_load_balancing_loss_hand_example():
     # E = 2, k = 1, two tokens routed one to each expert: f = P = (1/2, 1/2), L = 2 · 1/2 = 1.
     z = jnp.array([[[1.0, 0.0], [0.0, 1.0]]])
     loss = load_balancing_loss(z, 1, jnp.ones((1, 2), bool))
-    np.testing.assert_allclose(loss, 1.0, rtol=1e-6)
+    chex.assert_trees_all_close(loss, 1.0, rtol=1e-6)
     # Masking out the second token: f = (1, 0), P = softmax([1, 0]) → L = 2 · σ(1).
     loss = load_balancing_loss(z, 1, jnp.array([[True, False]]))
-    np.testing.assert_allclose(loss, 2 * jax.nn.sigmoid(1.0), rtol=1e-6)
+    chex.assert_trees_all_close(loss, 2 * jax.nn.sigmoid(1.0), rtol=1e-6)
 
 
 @pytest.mark.parametrize(

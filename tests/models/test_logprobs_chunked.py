@@ -5,6 +5,7 @@ below B·T·V·4 bytes; bad chunk sizes rejected."""
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,7 +82,7 @@ def test_core_equals_full_values_and_gradients(core_inputs, replay):
     cutoffs = cutoffs if replay else None
     ref = full_logprobs(hidden, w, targets, cutoffs, TEMP)
     ref_grads = jax.grad(weighted(full_logprobs), argnums=(0, 1))(hidden, w, targets, cutoffs, TEMP)
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in ref_grads)
+    chex.assert_tree_all_finite(ref_grads)
     for chunk in (1, 4, 32):  # 4 does not divide n = 9; 32 ≥ n is one chunk
 
         def chunked(h, w_, y, cut, t, chunk=chunk):
@@ -93,8 +94,7 @@ def test_core_equals_full_values_and_gradients(core_inputs, replay):
         (_, got), grads = jax.jit(jax.value_and_grad(both, argnums=(0, 1), has_aux=True))(
             hidden, w, targets, cutoffs, TEMP
         )
-        for g, r in zip(got + grads, ref + ref_grads, strict=True):
-            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6, err_msg=f"chunk {chunk}")
+        chex.assert_trees_all_close(got + grads, ref + ref_grads, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +121,16 @@ def test_return_hidden_and_head_weight_give_the_logits(lm):
 
     full, out, w = run(params)
     assert out.logits is None and full.hidden is None
-    assert out.hidden.shape == (2, 9, cfg.hidden_size) and out.hidden.dtype == jnp.float32
-    assert w.shape == (cfg.hidden_size, cfg.vocab_size)
-    np.testing.assert_array_equal(w, params["lm_head"]["kernel"][...])
-    np.testing.assert_allclose(out.hidden @ w, full.logits, atol=1e-5)
-    np.testing.assert_array_equal(out.routing, full.routing)
+    chex.assert_shape(out.hidden, (2, 9, cfg.hidden_size))
+    chex.assert_type(out.hidden, jnp.float32)
+    chex.assert_shape(w, (cfg.hidden_size, cfg.vocab_size))
+    chex.assert_trees_all_equal(w, params["lm_head"]["kernel"][...])
+    chex.assert_trees_all_close(out.hidden @ w, full.logits, rtol=1e-7, atol=1e-5)
+    chex.assert_trees_all_equal(out.routing, full.routing)
     # Tied embeddings: the head is embed_tokensᵀ (the same parameters, less lm_head).
     tied_params = nnx.State({k: v for k, v in params.items() if k != "lm_head"})
     tied = nnx.merge(graphdef_for(cfg.replace(tie_embeddings=True)), tied_params)
-    np.testing.assert_array_equal(tied.lm_head_weight(), params["embed_tokens"][...].T)
+    chex.assert_trees_all_equal(tied.lm_head_weight(), params["embed_tokens"][...].T)
     # The hidden states come in the compute dtype.
     bf16 = jax.eval_shape(
         lambda p: (
@@ -139,7 +140,8 @@ def test_return_hidden_and_head_weight_give_the_logits(lm):
         ),
         params,
     )
-    assert bf16.dtype == jnp.bfloat16 and bf16.shape == (2, 12, cfg.hidden_size)
+    chex.assert_shape(bf16, (2, 12, cfg.hidden_size))
+    chex.assert_type(bf16, jnp.bfloat16)
 
 
 def test_token_logprobs_chunked_equals_full_in_params_gradient(lm):
@@ -150,7 +152,7 @@ def test_token_logprobs_chunked_equals_full_in_params_gradient(lm):
         tokens[:, :-1], input_mask=mask[:, :-1], logits_from=s - 1
     ).logits
     cutoffs = support_cutoff(scale_logits(logits, TEMP), top_p=0.8)
-    assert bool(jnp.all(jnp.isfinite(cutoffs)))
+    chex.assert_tree_all_finite(cutoffs)
 
     def loss(p, chunk_size):
         logp, ent, _ = token_logprobs(
@@ -168,13 +170,12 @@ def test_token_logprobs_chunked_equals_full_in_params_gradient(lm):
 
     run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
     (_, ref), ref_grads = run(params, None)
-    assert ref[0].shape == (2, n)
+    chex.assert_shape(ref[0], (2, n))
     for chunk in (4, 64):  # non-dividing, and one chunk bigger than n
         (_, got), grads = run(params, chunk)
-        np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(got[1], ref[1], rtol=1e-5, atol=1e-5)
-        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+        chex.assert_trees_all_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
 
 
 def test_bfloat16_states_are_scored_with_float32_accumulation(core_inputs):
@@ -184,8 +185,8 @@ def test_bfloat16_states_are_scored_with_float32_accumulation(core_inputs):
     w16 = w.astype(jnp.bfloat16).astype(jnp.float32)
     ref = full_logprobs(h16.astype(jnp.float32), w16, targets, None, TEMP)
     got = chunked_logprobs(h16, w, targets, temperature=TEMP, chunk_size=4)
-    np.testing.assert_allclose(got[0], ref[0], atol=1e-4)
-    np.testing.assert_allclose(got[1], ref[1], atol=1e-4)
+    chex.assert_trees_all_close(got[0], ref[0], rtol=1e-7, atol=1e-4)
+    chex.assert_trees_all_close(got[1], ref[1], rtol=1e-7, atol=1e-4)
     # Rounding the logits to bf16 (what a bf16 head without float32 output does) is far off.
     rounded = scale_logits(jnp.einsum("bnd,dv->bnv", h16, w.astype(jnp.bfloat16)), TEMP)
     lp16 = jnp.take_along_axis(jax.nn.log_softmax(rounded), targets[..., None], -1)[..., 0]
@@ -255,5 +256,5 @@ def test_vmaps_over_a_leading_run_axis(core_inputs):
     got = jax.vmap(one)(ws)
     for i in range(2):
         ref = full_logprobs(hidden, ws[i], targets, cutoffs, TEMP)
-        np.testing.assert_allclose(got[0][i], ref[0], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got[1][i], ref[1], rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(got[0][i], ref[0], rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(got[1][i], ref[1], rtol=1e-5, atol=1e-6)

@@ -3,6 +3,7 @@ function: a hand-computed example, then values and gradients against dense on ra
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,8 +159,8 @@ def test_bfloat16_close_to_dense():
     want = expert_ffn(x, idx, w, gp, up, dp, impl="dense")
     for impl in ("ragged", "blocked"):
         y = expert_ffn(x, idx, w, gp, up, dp, impl=impl)
-        assert y.dtype == jnp.bfloat16
-        np.testing.assert_allclose(
+        chex.assert_type(y, jnp.bfloat16)
+        chex.assert_trees_all_close(
             np.asarray(y, np.float32), np.asarray(want, np.float32), rtol=3e-2, atol=3e-2
         )
 
@@ -243,31 +244,35 @@ def test_expert_parallel_moves_only_what_it_should():
 
 
 @pytest.mark.parametrize(
-    "change, word",
+    "change, error, word",
     [
-        ({"x": jnp.zeros((N,))}, "x must have rank 2"),
-        ({"x": jnp.zeros((N, D), jnp.int32)}, "x must be floating"),
-        ({"indices": jnp.zeros((N + 1, K), jnp.int32)}, "indices must have shape"),
-        ({"indices": jnp.zeros((N, K))}, "indices must hold integers"),
-        ({"indices": jnp.full((N, K), E, jnp.int32)}, r"indices must lie in \[0, 8\)"),
-        ({"indices": jnp.full((N, K), -1, jnp.int32)}, "indices must lie"),
-        ({"weights": jnp.zeros((N, K + 1))}, "weights must have shape"),
-        ({"weights": jnp.zeros((N, K), jnp.int32)}, "weights must be floating"),
-        ({"gate_proj": jnp.zeros((E, D + 1, F))}, "gate_proj must have shape"),
-        ({"up_proj": jnp.zeros((E, D, F + 1))}, "up_proj must have shape"),
-        ({"down_proj": jnp.zeros((E, D, F))}, "down_proj must have shape"),
-        ({"down_proj": jnp.zeros((E, F, D), jnp.bfloat16)}, "down_proj must have x's dtype"),
-        ({"impl": "megablox"}, "impl must be one of"),
-        ({"block_size": 0}, "block_size must be a positive int"),
+        ({"x": jnp.zeros((N,))}, ValueError, "`x` must have rank 2"),
+        ({"x": jnp.zeros((N, D), jnp.int32)}, TypeError, "`x` must have a floating dtype"),
+        ({"indices": jnp.zeros((N + 1, K), jnp.int32)}, ValueError, "`indices` must have shape"),
+        ({"indices": jnp.zeros((N, K))}, TypeError, "`indices` must have an integer dtype"),
+        ({"indices": jnp.full((N, K), E, jnp.int32)}, ValueError, r"indices must lie in \[0, 8\)"),
+        ({"indices": jnp.full((N, K), -1, jnp.int32)}, ValueError, "indices must lie"),
+        ({"weights": jnp.zeros((N, K + 1))}, ValueError, "`weights` must have shape"),
+        ({"weights": jnp.zeros((N, K), jnp.int32)}, TypeError, "`weights` must have a float"),
+        ({"gate_proj": jnp.zeros((E, D + 1, F))}, ValueError, "`gate_proj` must have shape"),
+        ({"up_proj": jnp.zeros((E, D, F + 1))}, ValueError, "`up_proj` must have shape"),
+        ({"down_proj": jnp.zeros((E, D, F))}, ValueError, "`down_proj` must have shape"),
+        (
+            {"down_proj": jnp.zeros((E, F, D), jnp.bfloat16)},
+            ValueError,
+            "down_proj must have x's dtype",
+        ),
+        ({"impl": "megablox"}, ValueError, "impl must be one of"),
+        ({"block_size": 0}, ValueError, "block_size must be a positive int"),
     ],
 )
-def test_bad_input_names_the_argument(change, word):
+def test_bad_input_names_the_argument(change, error, word):
     (x, gp, up, dp), key = _params(6)
     idx, w = _routing("topk", key)
     args = dict(x=x, indices=idx, weights=w, gate_proj=gp, up_proj=up, down_proj=dp)
     kwargs = {k: change.pop(k) for k in ("impl", "block_size") if k in change}
     args.update(change)
-    with pytest.raises(ValueError, match=word):
+    with pytest.raises(error, match=word):
         expert_ffn(**args, **kwargs)
 
 

@@ -2,6 +2,7 @@
 engine-only router-noise knob: exactly 0 flips with a float32 engine and no noise, > 0 with
 noise; noise changes the chosen experts and nothing else, so replay removes its mismatch."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,7 +88,7 @@ def test_router_noise_flips_routing_and_replay_removes_its_mismatch(model, score
     assert float(jnp.max(jnp.abs(logp_fresh - out.behavior_logp) * mask)) > 1e-3
     # Seeded: the same key gives the same rollout; another key other routing.
     again = noisy.generate(params, PROMPTS, LENGTHS, jax.random.key(0))
-    np.testing.assert_array_equal(again.routing, out.routing)
+    chex.assert_trees_all_equal(again.routing, out.routing)
     other = noisy.generate(params, PROMPTS, LENGTHS, jax.random.key(1))
     assert not np.array_equal(other.routing, out.routing)
 
@@ -98,8 +99,8 @@ def test_zero_noise_is_the_plain_engine_and_bad_noise_is_refused(model):
     zero = Sampler(cfg, max_prompt_len=P, max_new_tokens=N, eos_id=1, router_noise=0.0)
     a = plain.generate(params, PROMPTS, LENGTHS, jax.random.key(3))
     b = zero.generate(params, PROMPTS, LENGTHS, jax.random.key(3))
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_array_equal(a.behavior_logp, b.behavior_logp)
+    chex.assert_trees_all_equal(a.tokens, b.tokens)
+    chex.assert_trees_all_equal(a.behavior_logp, b.behavior_logp)
     for bad in (-0.1, float("nan"), "0.1"):
         with pytest.raises(ValueError, match="router_noise"):
             Sampler(cfg, max_prompt_len=P, max_new_tokens=N, eos_id=1, router_noise=bad)

@@ -2,6 +2,7 @@
 depth, runs of MoE / dense blocks, the hidden-state output with ``lm_head_weight``, the expert-FFN
 signature, remat policies and the parameter dtype."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,16 +51,16 @@ def test_program_size_does_not_grow_with_depth():
 def test_stacked_parameters_and_mixed_runs_route_per_layer():
     cfg = ModelConfig(num_layers=4, mlp_only_layers=(1,), init_std=0.3, **SMALL)
     graphdef, params = init_model(cfg, seed=0)
-    assert params["moe_layers"]["mlp"]["gate_proj"][...].shape == (3, 4, 16, 8)
-    assert params["dense_layers"]["mlp"]["up_proj"]["kernel"][...].shape == (1, 16, 16)
+    chex.assert_shape(params["moe_layers"]["mlp"]["gate_proj"][...], (3, 4, 16, 8))
+    chex.assert_shape(params["dense_layers"]["mlp"]["up_proj"]["kernel"][...], (1, 16, 16))
     tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, cfg.vocab_size)
     fwd = jax.jit(lambda p, t, r=None: nnx.merge(graphdef, p)(t, routing=r))
     out = fwd(params, tokens)
-    assert out.routing.shape == (3, 2, 6, 2)
+    chex.assert_shape(out.routing, (3, 2, 6, 2))
     # Replaying one layer's routing changes that layer only: R3 indexes layers correctly.
     forced = out.routing.at[2].set((out.routing[2] + 1) % cfg.num_experts)
     replayed = fwd(params, tokens, forced)
-    np.testing.assert_array_equal(replayed.routing, forced)
+    chex.assert_trees_all_equal(replayed.routing, forced)
     assert float(jnp.max(jnp.abs(replayed.logits - out.logits))) > 1e-5
 
 
@@ -78,9 +79,10 @@ def test_return_hidden_and_lm_head_weight_give_the_logits():
 
         full, hid, w = both(params, tokens)
         assert hid.logits is None and full.hidden is None
-        assert hid.hidden.shape == (2, 4, cfg.hidden_size) and w.shape == (16, cfg.vocab_size)
-        np.testing.assert_allclose(hid.hidden @ w, full.logits, atol=1e-6)
-        np.testing.assert_array_equal(hid.routing, full.routing)
+        chex.assert_shape(hid.hidden, (2, 4, cfg.hidden_size))
+        chex.assert_shape(w, (16, cfg.vocab_size))
+        chex.assert_trees_all_close(hid.hidden @ w, full.logits, rtol=1e-7, atol=1e-6)
+        chex.assert_trees_all_equal(hid.routing, full.routing)
 
 
 def test_dense_expert_ffn_hand_example():
@@ -93,8 +95,8 @@ def test_dense_expert_ffn_hand_example():
     weights = jnp.array([[0.25], [1.0]])
     y = expert_ffn(x, indices, weights, gate, up, down, impl="dense")
     silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
-    want = [0.25 * 0.5 * silu(1.0) * 2.0, 1.0 * 1.0 * silu(-2.0) * 6.0]
-    np.testing.assert_allclose(np.asarray(y)[:, 0], want, rtol=1e-6)
+    want = np.array([0.25 * 0.5 * silu(1.0) * 2.0, 1.0 * 1.0 * silu(-2.0) * 6.0])
+    chex.assert_trees_all_close(np.asarray(y)[:, 0], want, rtol=1e-6)
     with pytest.raises(ValueError, match="impl"):
         expert_ffn(x, indices, weights, gate, up, down, impl="sparse")
 
@@ -109,11 +111,7 @@ def test_remat_policies_change_memory_not_values(policy):
     def grads(g):
         return jax.jit(jax.grad(lambda p: -jnp.sum(token_logprobs(g, p, tokens)[0])))(params)
 
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
-        grads(remat_graphdef),
-        grads(graphdef),
-    )
+    chex.assert_trees_all_close(grads(remat_graphdef), grads(graphdef), rtol=1e-5, atol=1e-8)
 
 
 def test_scan_unroll_changes_the_program_not_values():
@@ -133,10 +131,8 @@ def test_scan_unroll_changes_the_program_not_values():
             )(params)
 
         # Equal up to float32 rounding (XLA fuses the unrolled program differently).
-        jax.tree.map(
-            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-            value_and_grads(unrolled),
-            value_and_grads(graphdef),
+        chex.assert_trees_all_close(
+            value_and_grads(unrolled), value_and_grads(graphdef), rtol=1e-4, atol=1e-6
         )
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="scan_unroll"):
@@ -153,12 +149,13 @@ def test_config_options_and_param_dtype():
         ModelConfig(param_dtype=jnp.int32)
     cfg = ModelConfig(num_layers=2, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, **SMALL)
     graphdef, params = init_model(cfg, seed=4)
-    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    chex.assert_type(jax.tree.leaves(params), jnp.bfloat16)
     # Same draw as the float32 master copy, rounded.
     _, p32 = init_model(cfg.replace(param_dtype=jnp.float32), seed=4)
-    np.testing.assert_array_equal(
+    chex.assert_trees_all_equal(
         np.asarray(params["embed_tokens"][...]),
         np.asarray(p32["embed_tokens"][...].astype(jnp.bfloat16)),
     )
     lp, _, _ = jax.jit(token_logprobs)(graphdef, params, jnp.ones((1, 4), jnp.int32))
-    assert lp.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(lp)))
+    chex.assert_type(lp, jnp.float32)
+    chex.assert_tree_all_finite(lp)

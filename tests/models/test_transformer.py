@@ -1,9 +1,9 @@
 """The NNX MoE decoder: KV cache vs full forward, routing capture/replay (R3), token_logprobs
 alignment, padding invariance, gradients to the router, one compile per shape, bad input."""
 
+import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -59,7 +59,7 @@ def test_tiny_preset_size():
     moe = d * e + 3 * e * d * f  # router; gate, up, down of every expert
     block = attention + moe + 2 * d  # and the two RMSNorms
     assert param_count(params) == layers * block + 2 * v * d + d == 1_820_032  # untied; final norm
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    chex.assert_type(jax.tree.leaves(params), jnp.float32)
 
 
 def test_kv_cache_decoding_matches_full_forward(cfg, model, batch, forward):
@@ -88,10 +88,10 @@ def test_kv_cache_decoding_matches_full_forward(cfg, model, batch, forward):
         got_routing.append(routing)
     got = jnp.concatenate(got_logits, axis=1)
     rows = mask[..., None]
-    np.testing.assert_allclose(
-        jnp.where(rows, got, 0), jnp.where(rows, full.logits, 0), atol=1e-5, rtol=1e-5
+    chex.assert_trees_all_close(
+        jnp.where(rows, got, 0), jnp.where(rows, full.logits, 0), rtol=1e-5, atol=1e-5
     )
-    np.testing.assert_array_equal(
+    chex.assert_trees_all_equal(
         jnp.where(mask[None, ..., None], jnp.concatenate(got_routing, axis=2), 0),
         jnp.where(mask[None, ..., None], full.routing, 0),
     )
@@ -101,15 +101,15 @@ def test_routing_capture_and_replay(cfg, model, batch, forward):
     graphdef, params = model
     tokens, mask = batch
     fresh = forward(graphdef, params, tokens, mask)
-    assert fresh.routing.shape == (cfg.num_moe_layers, B, T, cfg.num_experts_per_tok)
-    assert fresh.routing.dtype == jnp.int32
+    chex.assert_shape(fresh.routing, (cfg.num_moe_layers, B, T, cfg.num_experts_per_tok))
+    chex.assert_type(fresh.routing, jnp.int32)
     # Replaying the pass's own choice reproduces it exactly.
     replayed = forward(graphdef, params, tokens, mask, fresh.routing)
-    np.testing.assert_array_equal(replayed.logits, fresh.logits)
+    chex.assert_trees_all_equal(replayed.logits, fresh.logits)
     # Replaying another choice is obeyed and changes the output.
     other = (fresh.routing + 1) % cfg.num_experts
     forced = forward(graphdef, params, tokens, mask, other)
-    np.testing.assert_array_equal(forced.routing, other)
+    chex.assert_trees_all_equal(forced.routing, other)
     assert float(jnp.max(jnp.abs(forced.logits - fresh.logits))) > 1e-4
 
 
@@ -119,21 +119,21 @@ def test_left_padding_does_not_change_real_tokens(model, batch, logprobs_jit):
     lp_padded, _, _ = logprobs_jit(graphdef, params, tokens, input_mask=mask, response_start=3)
     # Row 1 without its three pad slots, scored from the same real token on.
     lp_plain, _, _ = logprobs_jit(graphdef, params, tokens[1:, 3:], response_start=1)
-    np.testing.assert_allclose(lp_padded[1, 1:], lp_plain[0], atol=1e-5)
+    chex.assert_trees_all_close(lp_padded[1, 1:], lp_plain[0], rtol=1e-7, atol=1e-5)
 
 
 def test_token_logprobs_alignment(model, batch, logprobs_jit, forward):
     graphdef, params = model
     tokens, mask = batch
     lp1, ent1, aux = logprobs_jit(graphdef, params, tokens, input_mask=mask, response_start=1)
-    assert lp1.shape == ent1.shape == (B, T - 1)
+    chex.assert_shape([lp1, ent1], (B, T - 1))
     assert aux["routing"].shape[2] == T - 1
     lp4, _, _ = logprobs_jit(graphdef, params, tokens, input_mask=mask, response_start=4)
-    np.testing.assert_allclose(lp4, lp1[:, 3:], atol=1e-6)
+    chex.assert_trees_all_close(lp4, lp1[:, 3:], rtol=1e-7, atol=1e-6)
     # Column j of the default layout is log softmax(logits after reading tokens[:j+1])[tokens[j+1]].
     logits = forward(graphdef, params, tokens, mask).logits
     manual = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1)
-    np.testing.assert_allclose(lp1, manual[..., 0], atol=1e-5)
+    chex.assert_trees_all_close(lp1, manual[..., 0], rtol=1e-7, atol=1e-5)
     # Temperature divides the logits; a −∞ cut-off is a no-op.
     lp_t, _, _ = logprobs_jit(
         graphdef,
@@ -147,7 +147,7 @@ def test_token_logprobs_alignment(model, batch, logprobs_jit, forward):
     manual_t = jnp.take_along_axis(
         jax.nn.log_softmax(logits[:, :-1] / 0.5), tokens[:, 1:, None], -1
     )
-    np.testing.assert_allclose(lp_t, manual_t[..., 0], atol=1e-5)
+    chex.assert_trees_all_close(lp_t, manual_t[..., 0], rtol=1e-7, atol=1e-5)
     assert bool(jnp.all(ent1 > 0)) and bool(jnp.all(ent1 <= jnp.log(128.0) + 1e-4))
 
 
@@ -174,7 +174,7 @@ def test_gradients_reach_router_under_replay_and_compile_once(cfg, model, batch,
     grads = grad_fn(params, tokens)
     router = list(grads["moe_layers"]["mlp"]["gate"]["kernel"][...])  # stacked: one per block
     assert all(float(jnp.max(jnp.abs(g))) > 0 for g in router)
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    chex.assert_tree_all_finite(grads)
     # Other parameter values and tokens of the same shapes reuse the compiled program.
     params2 = jax.tree.map(lambda x: x * 1.01, params)
     grad_fn(params2, (tokens + 1) % cfg.num_experts + 2)
@@ -191,7 +191,7 @@ def test_gradients_reach_router_under_replay_and_compile_once(cfg, model, batch,
             )
         )
     )(params)
-    np.testing.assert_allclose(
+    chex.assert_trees_all_close(
         grads_remat["moe_layers"]["mlp"]["gate"]["kernel"][...][0], router[0], rtol=1e-4, atol=1e-7
     )
 
@@ -230,5 +230,6 @@ def test_shared_expert_and_dense_layers_build_and_run():
     graphdef, params = init_model(cfg)
     tokens = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
     lp, ent, aux = jax.jit(token_logprobs)(graphdef, params, tokens)
-    assert lp.shape == (2, 3) and aux["routing"].shape == (1, 2, 3, cfg.num_experts_per_tok)
-    assert bool(jnp.all(jnp.isfinite(lp)))
+    chex.assert_shape(lp, (2, 3))
+    chex.assert_shape(aux["routing"], (1, 2, 3, cfg.num_experts_per_tok))
+    chex.assert_tree_all_finite(lp)

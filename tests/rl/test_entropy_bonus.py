@@ -1,6 +1,7 @@
 """The entropy bonus (loss.entropy_coef): the trainer's objective subtracts the coefficient times
 the policy entropy aggregated over active tokens, like the objective; 0 leaves the loss as is."""
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -33,11 +34,11 @@ def test_the_bonus_is_the_coefficient_times_the_aggregated_entropy(aggregation):
     else:  # mean over non-empty rows of each row's token mean
         rows = [ENTROPY[i][MASK[i]].mean() for i in range(2)]
         want = np.mean(rows)
-    np.testing.assert_allclose(float(base - loss), 0.05 * want, rtol=1e-6)
-    np.testing.assert_allclose(float(metrics["loss/entropy_bonus"]), 0.05 * want, rtol=1e-6)
+    chex.assert_trees_all_close(float(base - loss), 0.05 * want, rtol=1e-6)
+    chex.assert_trees_all_close(float(metrics["loss/entropy_bonus"]), 0.05 * want, rtol=1e-6)
     assert "loss/entropy_bonus" not in base_metrics
     # The logged entropy is the token mean whatever the bonus.
-    np.testing.assert_allclose(float(metrics["train/entropy"]), ENTROPY[MASK].mean(), rtol=1e-6)
+    chex.assert_trees_all_close(float(metrics["train/entropy"]), ENTROPY[MASK].mean(), rtol=1e-6)
     # Its gradient reaches only active positions, and lowers the loss as entropy rises.
     grad = jax.grad(lambda e: _loss(e, 0.05, aggregation)[0])(ENTROPY)
     assert np.all(grad[~MASK] == 0) and np.all(grad[MASK] < 0)

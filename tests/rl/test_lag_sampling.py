@@ -5,6 +5,7 @@ them, the store keeps every version still needed, and impossible knobs are confi
 import math
 import types
 
+import chex
 import numpy as np
 import pytest
 
@@ -24,15 +25,15 @@ def test_pmf_has_the_stated_mean_and_shape(dist, mean, cap):
     p = lag_pmf(dist, mean, cap)
     k = np.arange(1, cap + 1)
     assert p.shape == (cap,) and np.all(p >= 0)
-    np.testing.assert_allclose(p.sum(), 1.0, rtol=1e-12)
-    np.testing.assert_allclose(np.dot(k, p), mean, rtol=1e-9)
+    chex.assert_trees_all_close(p.sum(), 1.0, rtol=1e-12)
+    chex.assert_trees_all_close(np.dot(k, p), mean, rtol=1e-9)
     # The family's form: geometric ratios p_{k+1}/p_k constant; Zipf log p linear in log k.
     if dist == "geometric":
         ratios = p[1:] / p[:-1]
-        np.testing.assert_allclose(ratios, ratios[0], rtol=1e-9)
+        chex.assert_trees_all_close(ratios, ratios[0], rtol=1e-9)
     else:
         slope = np.diff(np.log(p)) / np.diff(np.log(k))
-        np.testing.assert_allclose(slope, slope[0], rtol=1e-9)
+        chex.assert_trees_all_close(slope, slope[0], rtol=1e-9)
     if mean < (cap + 1) / 2:  # below the uniform mean: decreasing, most groups fresh
         assert np.all(np.diff(p) < 0)
 
@@ -68,12 +69,12 @@ def test_realized_lags_match_the_distribution(dist):
     dof, z = cap - 1, 3.090  # z of 0.999
     crit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
     assert chi2 < crit, (chi2, crit)
-    np.testing.assert_allclose(lags.mean(), 4, atol=5 * lags.std() / math.sqrt(n))
+    chex.assert_trees_all_close(lags.mean(), 4, rtol=1e-7, atol=5 * lags.std() / math.sqrt(n))
 
 
 def test_lag_draws_depend_on_seed_and_step_only():
     s = LagSchedule("sampled", 4, "zipf", 16)
-    np.testing.assert_array_equal(s.group_lags(5, 64, seed=1), s.group_lags(5, 64, seed=1))
+    chex.assert_trees_all_equal(s.group_lags(5, 64, seed=1), s.group_lags(5, 64, seed=1))
     assert not np.array_equal(s.group_lags(5, 64, seed=1), s.group_lags(5, 64, seed=2))
     assert not np.array_equal(s.group_lags(5, 64, seed=1), s.group_lags(6, 64, seed=1))
     # Early steps: the version is cut at 0, as in the fixed mode.
@@ -154,11 +155,11 @@ def test_sampled_source_versions_are_the_snapshots_used_in_prompt_order():
         batch = rollout.batch
         want = schedule.group_versions(step, prompts_per_step, seed)
         # Rows in prompt order (G = 2 each), the routing row along its own batch axis.
-        np.testing.assert_array_equal(batch.tokens[:, 0], np.repeat(10 + np.arange(6), 2))
-        np.testing.assert_array_equal(batch.routing[0, :, 0, 0], batch.tokens[:, 0])
+        chex.assert_trees_all_equal(batch.tokens[:, 0], np.repeat(10 + np.arange(6), 2))
+        chex.assert_trees_all_equal(batch.routing[0, :, 0, 0], batch.tokens[:, 0])
         # Each group's tokens carry its drawn version, and that is the snapshot that decoded it.
-        np.testing.assert_array_equal(batch.versions, np.repeat(want, 2)[:, None] * np.ones(3))
-        np.testing.assert_array_equal(batch.behavior_logp, batch.versions)
+        chex.assert_trees_all_equal(batch.versions, np.repeat(want, 2)[:, None] * np.ones(3))
+        chex.assert_trees_all_equal(batch.behavior_logp, batch.versions)
         # One decode per distinct version, each padded to a power of two of prompts (<= 6).
         assert sorted(v for v, _ in engine.calls) == sorted(set(want.tolist()))
         for v, size in engine.calls:

@@ -6,6 +6,7 @@ import threading
 import time
 import types
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,7 +45,7 @@ def test_host_placement_keeps_the_sharding_and_accounts_memory():
     assert held.sharding.memory_kind == "pinned_host" and held.sharding.spec == sharding.spec
     back = host.get(0)["w"]
     assert back.sharding == sharding  # device memory again, same sharding
-    np.testing.assert_array_equal(back, np.arange(8))
+    chex.assert_trees_all_equal(back, np.arange(8))
     # 8 float32 = 32 bytes, split over two devices: this process holds all 32, in host memory.
     assert host.memory() == {
         "snapshots/versions": 1.0,

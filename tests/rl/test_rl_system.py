@@ -552,7 +552,8 @@ def test_jsonl_source_runs_through_the_learner(tmp_path, cache_dir):
     summary = learner.train(config, quiet=True)
     assert summary["end_step"] == 2
     final = summary["final_eval"]
-    assert set(final) == {"pass@1", "avg@4", "pass@4"}  # G = 4 samples of the held-out prompt
+    # G = 4 samples of the one held-out prompt
+    assert set(final) == {"pass@1", "avg@4", "pass@4", "num_prompts"} and final["num_prompts"] == 1
     # Scored by the numeric verifier (0/1): pass@1 is the share of the 4 samples that say 2, and
     # pass@4 whether any does.
     assert final["pass@1"] in (0.0, 0.25, 0.5, 0.75, 1.0)

@@ -5,6 +5,7 @@ repeated; the sharded slot cache on an fsdp × expert mesh; bad input."""
 
 import time
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,19 +86,19 @@ def workload(engine, params):
 
 
 def assert_same_rollouts(got, want):
-    np.testing.assert_array_equal(got.tokens, want.tokens)
-    np.testing.assert_array_equal(got.input_mask, want.input_mask)
-    np.testing.assert_array_equal(got.response_mask, want.response_mask)
-    np.testing.assert_array_equal(got.response_lengths, want.response_lengths)
-    np.testing.assert_array_equal(got.prompt_lengths, want.prompt_lengths)
-    np.testing.assert_array_equal(got.versions, want.versions)
-    np.testing.assert_allclose(got.behavior_logp, want.behavior_logp, atol=1e-5)
-    np.testing.assert_allclose(got.cutoffs, want.cutoffs, atol=1e-5)
+    chex.assert_trees_all_equal(got.tokens, want.tokens)
+    chex.assert_trees_all_equal(got.input_mask, want.input_mask)
+    chex.assert_trees_all_equal(got.response_mask, want.response_mask)
+    chex.assert_trees_all_equal(got.response_lengths, want.response_lengths)
+    chex.assert_trees_all_equal(got.prompt_lengths, want.prompt_lengths)
+    chex.assert_trees_all_equal(got.versions, want.versions)
+    chex.assert_trees_all_close(got.behavior_logp, want.behavior_logp, rtol=1e-7, atol=1e-5)
+    chex.assert_trees_all_close(got.cutoffs, want.cutoffs, rtol=1e-7, atol=1e-5)
     # Routing of every slot whose next token is real: the ones the trainer's scores depend on.
     # (A response's last token is never fed by the slots; the static engine feeds it, and the
     # padding after it, while other rows of its batch still decode.)
     fed = np.asarray(want.input_mask)[None, :, 1:, None]
-    np.testing.assert_array_equal(np.where(fed, got.routing, -1), np.where(fed, want.routing, -1))
+    chex.assert_trees_all_equal(np.where(fed, got.routing, -1), np.where(fed, want.routing, -1))
 
 
 def test_reference_workload_is_not_trivial(reference):
@@ -133,14 +134,13 @@ def test_chunked_prefill_gives_the_same_outputs(params, engines, reference, chun
     tokens, mask = tokens[:, : P - 1], mask[:, : P - 1]
     want_cache, want_routing = jax.jit(whole._prefill)(p, tokens, mask)
     got_cache, got_routing = jax.jit(chunked._prefill)(p, tokens, mask)
-    assert got_routing.shape == want_routing.shape == (2, len(PROMPTS), P - 1, 4)
-    np.testing.assert_array_equal(got_routing, want_routing)
-    for got, want in zip(got_cache, want_cache, strict=True):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    chex.assert_shape([got_routing, want_routing], (2, len(PROMPTS), P - 1, 4))
+    chex.assert_trees_all_equal(got_routing, want_routing)
+    chex.assert_trees_all_close(got_cache, want_cache, rtol=0, atol=1e-5)
     out, want = workload(chunked, p), workload(whole, p)
     for field, got in out._asdict().items():
         if field in ("behavior_logp", "cutoffs"):
-            np.testing.assert_allclose(got, getattr(want, field), rtol=0, atol=1e-5)
+            chex.assert_trees_all_close(got, getattr(want, field), rtol=0, atol=1e-5)
         else:
             np.testing.assert_array_equal(got, getattr(want, field), err_msg=field)
     assert_same_rollouts(out, reference)
@@ -201,29 +201,29 @@ def test_weight_swap_at_a_harvest_point(cfg, params, engines, static):
             groups[group.prompt_id] = group.output
     assert sorted(groups) == [0, 1, 2]
     first_three = np.where(np.arange(N) < 3, 0, -1)
-    np.testing.assert_array_equal(groups[0].versions, np.stack([first_three] * G))
+    chex.assert_trees_all_equal(groups[0].versions, np.stack([first_three] * G))
     # Prompt 1 decoded across the swap: version 0 for its first window's 3 tokens, then 1.
     want = np.stack([np.where(np.arange(N) < 3, 0, 1)] * G)
     mask1 = np.asarray(groups[1].response_mask)
     assert mask1[:, 3].all()
-    np.testing.assert_array_equal(groups[1].versions, np.where(mask1, want, -1))
+    chex.assert_trees_all_equal(groups[1].versions, np.where(mask1, want, -1))
     # Prompt 2 waited for prompt 0's slots and is admitted after the swap: version 1 only.
     mask2 = np.asarray(groups[2].response_mask)
-    np.testing.assert_array_equal(groups[2].versions, np.where(mask2, 1, -1))
+    chex.assert_trees_all_equal(groups[2].versions, np.where(mask2, 1, -1))
     by_version = {0: p_old, 1: p_new}
     for pid in (1, 2):
         for r in range(G):
             want_logp = _teacher_forced_logp(cfg, graphdef, by_version, groups[pid], r)
             got = np.asarray(groups[pid].behavior_logp[r, : len(want_logp)])
-            np.testing.assert_allclose(got, want_logp, atol=1e-5)
+            chex.assert_trees_all_close(got, want_logp, rtol=1e-7, atol=1e-5)
     # The static engine swapping after the same 3 tokens samples prompt 1's tokens too.
     state = static.init(
         p_old, grouped(PROMPTS[:3]), grouped(LENGTHS[:3]), jax.random.key(2), group_size=G
     )
     state = static.decode(p_new, static.decode(p_old, state, 3, version=0), version=1)
     chunked = static.finalize(state)
-    np.testing.assert_array_equal(groups[1].tokens, chunked.tokens[2:4])
-    np.testing.assert_array_equal(groups[1].versions, chunked.versions[2:4])
+    chex.assert_trees_all_equal(groups[1].tokens, chunked.tokens[2:4])
+    chex.assert_trees_all_equal(groups[1].versions, chunked.versions[2:4])
 
 
 def test_groups_whole_none_lost_or_repeated_over_a_long_run(params, engines):
@@ -244,11 +244,11 @@ def test_groups_whole_none_lost_or_repeated_over_a_long_run(params, engines):
         for group in run.advance(params[1], version=run.windows):
             assert group.tag == group.prompt_id
             out = group.output
-            assert out.tokens.shape == (G, P + N)
+            chex.assert_shape(out.tokens, (G, P + N))
             assert out.routing.shape[1] == G
             row = group.prompt_id % len(PROMPTS)
             n = LENGTHS[row]
-            np.testing.assert_array_equal(
+            chex.assert_trees_all_equal(
                 out.tokens[:, P - n : P], grouped(PROMPTS[row : row + 1, :n])
             )
             assert np.all(out.response_lengths <= limits[group.prompt_id])
@@ -341,7 +341,7 @@ def test_stream_mode_fills_the_slots_and_swaps_at_harvest_points(params, engines
     crossed = 0
     for r in rollouts:
         versions, mask = np.asarray(r.batch.versions), np.asarray(r.batch.response_mask)
-        assert versions.shape == (2 * G, N)
+        chex.assert_shape(versions, (2 * G, N))
         live = [row[m] for row, m in zip(versions, mask, strict=True)]
         assert all(np.all(np.diff(x) >= 0) for x in live)
         crossed += sum(len(set(x)) > 1 for x in live)
@@ -395,4 +395,4 @@ def test_stream_checkpoint_keeps_finished_batches_and_counts_groups_in_the_slots
         meta["inflight_groups"]
     )
     first = resumed.next(0)  # served from the restored queue, without the worker
-    np.testing.assert_array_equal(first.batch.tokens, arrays["0"]["tokens"])
+    chex.assert_trees_all_equal(first.batch.tokens, arrays["0"]["tokens"])

@@ -2,6 +2,7 @@
 log-probs (routing R3 and support Eq. 50), bf16 engine vs f32 trainer reproduces routing mismatch
 that replay reduces, determinism, chunked decode with parameter swaps, one compile, bad input."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,15 +68,16 @@ def _mean_abs(a, b, mask):
 def test_output_layout(cfg, params, sampler32):
     out = sampler32.generate(params[1], PROMPTS, LENGTHS, jax.random.key(0))
     b = len(LENGTHS)
-    assert out.tokens.shape == (b, P + N) and out.prompt_width == P
-    assert out.behavior_logp.shape == out.cutoffs.shape == out.versions.shape == (b, N)
-    assert out.routing.shape == (cfg.num_moe_layers, b, P + N - 1, cfg.num_experts_per_tok)
-    assert out.versions.dtype == out.routing.dtype == jnp.int32
+    chex.assert_shape(out.tokens, (b, P + N))
+    assert out.prompt_width == P
+    chex.assert_shape([out.behavior_logp, out.cutoffs, out.versions], (b, N))
+    chex.assert_shape(out.routing, (cfg.num_moe_layers, b, P + N - 1, cfg.num_experts_per_tok))
+    chex.assert_type([out.versions, out.routing], jnp.int32)
     # Prompts are left-aligned against slot P.
     for i, n in enumerate(LENGTHS):
-        np.testing.assert_array_equal(out.tokens[i, P - n : P], PROMPTS[i, :n])
+        chex.assert_trees_all_equal(out.tokens[i, P - n : P], PROMPTS[i, :n])
         assert int(jnp.sum(out.input_mask[i, :P])) == n
-    np.testing.assert_array_equal(out.response_mask, out.input_mask[:, P:])
+    chex.assert_trees_all_equal(out.response_mask, out.input_mask[:, P:])
     assert bool(jnp.all(jnp.isneginf(out.cutoffs)))  # no truncation requested
     assert bool(jnp.all(out.behavior_logp <= 0))
 
@@ -123,8 +125,8 @@ def test_determinism_chunking_and_versions(params, sampler32):
     key = jax.random.key(3)
     one = sampler32.generate(p, PROMPTS, LENGTHS, key, TRUNCATED, version=4)
     again = sampler32.generate(p, PROMPTS, LENGTHS, key, TRUNCATED, version=4)
-    np.testing.assert_array_equal(one.tokens, again.tokens)
-    np.testing.assert_array_equal(one.behavior_logp, again.behavior_logp)
+    chex.assert_trees_all_equal(one.tokens, again.tokens)
+    chex.assert_trees_all_equal(one.behavior_logp, again.behavior_logp)
     # Chunks of 5 with the same parameters but new versions: same tokens, versions per chunk.
     state = sampler32.init(p, PROMPTS, LENGTHS, key, TRUNCATED)
     version = 4
@@ -132,10 +134,10 @@ def test_determinism_chunking_and_versions(params, sampler32):
         state = sampler32.decode(p, state, num_steps=5, version=version)
         version += 1
     chunked = sampler32.finalize(state)
-    np.testing.assert_array_equal(chunked.tokens, one.tokens)
-    np.testing.assert_allclose(chunked.behavior_logp, one.behavior_logp, atol=1e-6)
+    chex.assert_trees_all_equal(chunked.tokens, one.tokens)
+    chex.assert_trees_all_close(chunked.behavior_logp, one.behavior_logp, rtol=1e-7, atol=1e-6)
     expected = np.repeat([4, 5, 6], 5)[:N]
-    np.testing.assert_array_equal(chunked.versions, np.where(one.response_mask, expected, -1))
+    chex.assert_trees_all_equal(chunked.versions, np.where(one.response_mask, expected, -1))
     other = sampler32.generate(p, PROMPTS, LENGTHS, jax.random.key(4), TRUNCATED)
     assert not np.array_equal(other.tokens, one.tokens)
 
@@ -148,10 +150,10 @@ def test_parameter_swap_between_chunks(params, sampler32, score):
     state = sampler32.decode(p_new, state, num_steps=N, version=1)
     out = sampler32.finalize(state)
     np.testing.assert_array_equal(out.versions[:, :4], 0)
-    np.testing.assert_array_equal(out.versions[:, 4:], jnp.where(out.response_mask[:, 4:], 1, -1))
+    chex.assert_trees_all_equal(out.versions[:, 4:], jnp.where(out.response_mask[:, 4:], 1, -1))
     # Tokens of the first chunk were sampled from the old parameters: the trainer agrees there.
     logp_old, _, _ = score(graphdef, p, out, 1.0)
-    np.testing.assert_allclose(logp_old[:, :4], out.behavior_logp[:, :4], atol=1e-5)
+    chex.assert_trees_all_close(logp_old[:, :4], out.behavior_logp[:, :4], rtol=1e-7, atol=1e-5)
 
 
 def test_one_compile_per_shape(params, sampler32):
@@ -195,7 +197,7 @@ def test_eos_stops_and_pads(cfg, params):
     np.testing.assert_array_equal(out.versions[0], [0, -1, -1, -1])
     np.testing.assert_array_equal(out.behavior_logp[0, 1:], 0.0)
     # Greedy: the sampled token carries the whole (top-1) mass.
-    np.testing.assert_allclose(out.behavior_logp[0, 0], 0.0, atol=1e-6)
+    chex.assert_trees_all_close(out.behavior_logp[0, 0], 0.0, rtol=1e-7, atol=1e-6)
 
 
 def test_bad_input_raises_value_errors(cfg, params, sampler32):
@@ -227,16 +229,16 @@ def test_a_tokens_key_depends_on_its_row_and_position_only(params, sampler32):
     key = jax.random.key(6)
     full = sampler32.generate(p, PROMPTS, LENGTHS, key, TRUNCATED)
     head = sampler32.generate(p, PROMPTS[:4], LENGTHS[:4], key, TRUNCATED)
-    np.testing.assert_array_equal(head.tokens, full.tokens[:4])
-    np.testing.assert_allclose(head.behavior_logp, full.behavior_logp[:4], atol=1e-6)
+    chex.assert_trees_all_equal(head.tokens, full.tokens[:4])
+    chex.assert_trees_all_close(head.behavior_logp, full.behavior_logp[:4], rtol=1e-7, atol=1e-6)
     limits = np.array([1, 3, N, 2, N, N, 5, 4])
     cut = sampler32.generate(p, PROMPTS, LENGTHS, key, TRUNCATED, max_lengths=limits)
     want = np.minimum(np.asarray(full.response_lengths), limits)
-    np.testing.assert_array_equal(cut.response_lengths, want)
+    chex.assert_trees_all_equal(cut.response_lengths, want)
     keep = np.arange(N)[None, :] < want[:, None]
-    np.testing.assert_array_equal(
+    chex.assert_trees_all_equal(
         np.where(keep, cut.response_tokens, -1), np.where(keep, full.response_tokens, -1)
     )
-    np.testing.assert_array_equal(cut.versions, np.where(keep, 0, -1))
+    chex.assert_trees_all_equal(cut.versions, np.where(keep, 0, -1))
     with pytest.raises(ValueError, match="max_lengths"):
         sampler32.init(p, PROMPTS, LENGTHS, key, max_lengths=np.full(8, N + 1))

@@ -2,6 +2,7 @@
 
 import math
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ LOGITS = jnp.array([3.0, 2.0, 1.0, 0.0])  # softmax ≈ [0.644, 0.237, 0.087, 0.
 )
 def test_support_cutoff_hand_examples(top_p, top_k, expected):
     got = support_cutoff(LOGITS, top_p, top_k)
-    np.testing.assert_allclose(got, expected)
+    chex.assert_trees_all_close(got, expected, rtol=1e-7)
 
 
 def test_support_cutoff_batched_and_kept_set():

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import numpy as np
 import optax
@@ -69,11 +70,7 @@ def saved(tmp_path_factory):
 
 
 def _assert_same_values(a, b):
-    jax.tree.map(
-        lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
-        jax.device_get(a),
-        jax.device_get(b),
-    )
+    chex.assert_trees_all_equal(jax.device_get(a), jax.device_get(b))
 
 
 def test_sharded_state_round_trips_with_its_layout(saved):

@@ -18,6 +18,7 @@ import dataclasses
 import math
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,11 +143,7 @@ def test_sharded_step_equals_single_device_and_splits_memory(name, model, batch,
         np.testing.assert_allclose(
             metrics[k], v, rtol=2e-3 if k in SENSITIVE else 2e-5, atol=1e-7, err_msg=k
         )
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
-        jax.device_get(new_state.params),
-        want_params,
-    )
+    chex.assert_trees_all_close(jax.device_get(new_state.params), want_params, rtol=2e-5, atol=1e-7)
     # The momentum trace is the gradient: sharded contractions sum in another order, so compare
     # relative to each gradient's scale (float32 rounding, ~1e-7 of it).
     jax.tree.map(
@@ -204,10 +201,11 @@ def test_shared_prompt_step_equals_plain_step(model):
         np.testing.assert_allclose(
             metrics[k], v, rtol=2e-3 if k in SENSITIVE else 2e-5, atol=1e-7, err_msg=k
         )
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
+    chex.assert_trees_all_close(
         jax.device_get(new_state.params),
         jax.device_get(want_state.params),
+        rtol=2e-5,
+        atol=1e-7,
     )
 
     # One prompt token of row 3 changed: group 1 no longer shares, so the plain program runs.
@@ -340,9 +338,9 @@ def test_kv_cache_is_created_sharded():
 
     mesh = parallel.make_mesh(num_data=2, fsdp=2, tensor=2)
     cache = init_cache(CFG, 8, 16, mesh=mesh)
-    assert cache.k.shape == (CFG.num_layers, 8, 16, CFG.num_kv_heads, CFG.head_dim)
+    chex.assert_shape(cache.k, (CFG.num_layers, 8, 16, CFG.num_kv_heads, CFG.head_dim))
     assert cache.k.sharding.spec == P_(None, ("data", "fsdp"), None, "tensor")
-    assert cache.v.addressable_shards[0].data.shape == (CFG.num_layers, 2, 16, 1, CFG.head_dim)
+    chex.assert_shape(cache.v.addressable_shards[0].data, (CFG.num_layers, 2, 16, 1, CFG.head_dim))
     with pytest.raises(ValueError, match=r"batch size=6"):
         init_cache(CFG, 6, 16, mesh=mesh)
 
@@ -360,8 +358,8 @@ def test_sampler_decodes_from_sharded_parameters(model):
     lengths = np.array([4, 2], np.int32)
     want = sampler.generate(params, prompts, lengths, jax.random.key(0), SamplingParams(top_k=1))
     got = sampler.generate(sharded, prompts, lengths, jax.random.key(0), SamplingParams(top_k=1))
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
-    np.testing.assert_array_equal(np.asarray(got.routing), np.asarray(want.routing))
-    np.testing.assert_allclose(
-        np.asarray(got.behavior_logp), np.asarray(want.behavior_logp), atol=1e-5
+    chex.assert_trees_all_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    chex.assert_trees_all_equal(np.asarray(got.routing), np.asarray(want.routing))
+    chex.assert_trees_all_close(
+        np.asarray(got.behavior_logp), np.asarray(want.behavior_logp), rtol=1e-7, atol=1e-5
     )
