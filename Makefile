@@ -3,7 +3,7 @@
 #   make test    -> creates .venv, installs sat_jax with its test extras, runs the test suite
 PYTHON ?= python3.11
 VENV ?= .venv
-PIP_EXTRAS ?= test,hf
+PIP_EXTRAS ?= test,hf,gcs
 
 .PHONY: install train test lint bench report wheels
 

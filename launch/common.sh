@@ -209,20 +209,28 @@ quote_cmd() {
 }
 
 # redact TEXT: TEXT with the credentials of every URL in it ("https://user:TOKEN@host",
-# "https://TOKEN@host") replaced by "***", for anything these scripts print.
+# "https://TOKEN@host") and every URL's query string ("https://host/r.git?token=TOKEN", where
+# tokens travel too) replaced by "***", for anything these scripts print.
 redact() {
 	local re='^(.*[A-Za-z][A-Za-z0-9+.-]*://)[^/@[:space:]'"'"']+@(.*)$' rest=$1 tail=""
+	local query='^(.*[A-Za-z][A-Za-z0-9+.-]*://[^?[:space:]'"'"']*[?])[^[:space:]'"'"']+(.*)$'
 	# Greedy: each round masks the last credentials left in REST and moves what follows to TAIL.
 	while [[ $rest =~ $re ]]; do
 		tail="***@${BASH_REMATCH[2]}$tail"
 		rest=${BASH_REMATCH[1]}
 	done
+	rest="$rest$tail" tail=""
+	while [[ $rest =~ $query ]]; do
+		tail="***${BASH_REMATCH[2]}$tail"
+		rest=${BASH_REMATCH[1]}
+	done
 	printf '%s' "$rest$tail"
 }
 
-# has_credentials URL: whether URL carries a user name, password or token before its host.
+# has_credentials URL: whether URL carries a user name, password or token before its host, or a
+# query string (which may hold a token).
 has_credentials() {
-	[[ $1 =~ ^[A-Za-z][A-Za-z0-9+.-]*://[^/@]+@ ]]
+	[[ $1 =~ ^[A-Za-z][A-Za-z0-9+.-]*://[^/@]+@ || $1 == *://*[?]* ]]
 }
 
 # delete_hint [queued]: the delete.sh command for this TPU, for messages about a TPU left

@@ -23,7 +23,7 @@ opt --local-dir LOCAL_DIR "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" "lo
 opt --tarball TARBALL "" "where to write the local archive (empty: \${TMPDIR:-/tmp}/sat_jax-src-NAME.tar.gz)"
 opt --python PYTHON python3.11 "Python on the workers that makes the venv (the project needs >= 3.11)"
 opt --apt-packages APT_PACKAGES "python3.11 python3.11-venv" "apt packages installed first on each worker (empty: skip apt)"
-opt --install-cmd INSTALL_CMD 'pip install -e ".[test]"' "command that installs the project, run in the project directory inside the venv"
+opt --install-cmd INSTALL_CMD 'pip install -e ".[test,gcs]"' "command that installs the project, run in the project directory inside the venv"
 opt --jax-install-cmd JAX_INSTALL_CMD 'pip install -U "jax[tpu]"' "command that installs JAX for TPU, run after INSTALL_CMD"
 parse_args "$@"
 require ZONE TPU_NAME REMOTE_DIR VENV PYTHON INSTALL_CMD

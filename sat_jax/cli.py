@@ -16,6 +16,7 @@ the help (exit 0; ``sat-jax`` alone exits 2, as a command line missing its comma
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -57,6 +58,8 @@ def _define_config():
 
 _CONFIG, _DEFINE_ERROR = _define_config()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (overrides config.workdir).")
+# A path the run must write to that it cannot: the user's to fix, not a bug to trace.
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST)
 _MAX_STEPS = flags.DEFINE_integer("max_steps", None, "Stop after this many steps this session.")
 _MULTIHOST = flags.DEFINE_enum(
     "multihost", "auto", ["auto", "on", "off"], "Initialise jax.distributed for a multi-host slice."
@@ -288,7 +291,12 @@ def main(argv):
     if command == "eval":
         try:
             result = learner.evaluate_run(config, checked=checked)
-        except (FileNotFoundError, learner.WorkdirNotShared) as e:
+        except (
+            FileNotFoundError,
+            learner.ResumeError,
+            learner.WorkdirNotShared,
+            learner.WorkdirURLError,
+        ) as e:
             return _fail(str(e))
         if parallel.is_primary():
             print(json.dumps(result, indent=1))
@@ -300,12 +308,20 @@ def main(argv):
         learner.ResumeError,
         learner.WorkdirLocked,
         learner.WorkdirNotShared,
+        learner.WorkdirURLError,
         ConfigError,  # data checked when built
     ) as e:
         return _fail(str(e))
-    except learner.NonFiniteError as e:
+    except (learner.NonFiniteError, learner.LockLost) as e:
         print(f"sat-jax: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:
+        if e.errno not in _UNWRITABLE:
+            raise
+        return _fail(
+            f"cannot write {e.filename}: {e.strerror} (the workdir and sft.cache_dir must be "
+            "writable directories)"
+        )
     if parallel.is_primary():
         hist = summary["history"]
         first = hist[0]["train/reward_mean"] if hist else float("nan")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import abc
 import functools
 import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,7 +56,11 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def reward(self, completion: str, example: Example) -> float:
-        """1.0 if ``completion`` (decoded text, EOS already stripped) is correct, else 0.0."""
+        """1.0 if ``completion`` (decoded text, EOS already stripped) is correct, else 0.0.
+
+        A sampled response with a PAD, BOS or unknown id before its EOS never reaches a task's
+        reward: it scores 0 (`sat_jax.data.decode_response`).
+        """
 
     @property
     @abc.abstractmethod
@@ -222,11 +225,12 @@ class ArithmeticTask(Task):
         return self.max_answer_chars
 
     def reward(self, completion: str, example: Example) -> float:
-        """1.0 iff the completion, stripped of surrounding spaces, is exactly the answer digits.
+        """1.0 iff the completion is exactly the answer in ASCII decimal digits.
 
-        Exact string match (no leading zeros, no extra text) so the policy must learn to stop.
+        Exact string match: no leading zeros, spaces or other text (so the policy must learn to
+        stop), and no other script's digits.
         """
-        return float(completion.strip() == example["answer"])
+        return float(completion == example["answer"])
 
 
 class AdditionTask(ArithmeticTask):
@@ -410,9 +414,6 @@ class _MixtureTask(Task):
         """Instance ``row`` of level ``k`` as an example dict."""
 
 
-_TRACE = re.compile(r"\d+(?:\+\d+)*=(\d+)")
-
-
 def multiplication_trace(a: int, b: int, *, lsb_first: bool = False) -> str:
     """``a * b`` written out: one partial product ``a * d * 10**i`` per digit ``d`` of ``b``
     (least significant first, ``0`` for a zero digit), joined by ``"+"``, then ``"="`` and the
@@ -438,12 +439,11 @@ class LongMultiplicationTask(_MixtureTask):
     ``"8638+74040+617000=699678"`` (`multiplication_trace`): ``B`` partial products, then 2 + A
     + B + (B - 1) characters more; 3x3 needs at most 25 response tokens with EOS, 4x4 39.
 
-    Reward (scored on the final answer, as a verifier scores a math solution): 1.0 iff the
-    completion, stripped of surrounding spaces, is one well-formed trace (``+``-separated digit
-    strings, ``=``, a digit string, nothing else) whose final number is exactly ``a * b`` in
-    canonical decimal (reversed, with ``lsb_first``). The working is not checked, so a right
-    answer after wrong working scores 1; a bare answer without working, a truncated trace or
-    text after the answer score 0. An example's ``"answer"`` is ``a * b`` in plain decimal.
+    Reward: 1.0 iff the completion is exactly the trace of `multiplication_trace` in ASCII
+    digits: ``b``'s partial products in order (``0`` for a zero digit, no leading zeros), their
+    sum, nothing else. So the working is checked as well as the answer: a right answer after
+    wrong or missing working, a bare answer, a truncated trace, spaces or text around it, or
+    another script's digits score 0. An example's ``"answer"`` is ``a * b`` in plain decimal.
 
     Args:
       lsb_first: write the numbers of the response least significant digit first
@@ -507,9 +507,8 @@ class LongMultiplicationTask(_MixtureTask):
         )
 
     def reward(self, completion: str, example: Example) -> float:
-        m = _TRACE.fullmatch(completion.strip())
-        answer = example["answer"][::-1] if self.lsb_first else example["answer"]
-        return float(m is not None and m.group(1) == answer)
+        trace = multiplication_trace(example["a"], example["b"], lsb_first=self.lsb_first)
+        return float(completion == trace)
 
 
 class SortDigitsTask(_MixtureTask):
@@ -517,8 +516,8 @@ class SortDigitsTask(_MixtureTask):
 
     Level ``"N"``: strings of exactly ``N`` digits (leading zeros allowed), 2 <= N <= 60, drawn
     uniformly and distinct. Prompt ``N + 1`` characters, response ``N`` (plus EOS). Reward:
-    1.0 iff the completion, stripped of surrounding spaces, is exactly the sorted string (a
-    truncated or over-long response, or any other character, scores 0).
+    1.0 iff the completion is exactly the sorted string in ASCII digits (a truncated or
+    over-long response, a space, or any other character scores 0).
     """
 
     task_name = "sort_digits"
@@ -559,7 +558,7 @@ class SortDigitsTask(_MixtureTask):
         return max(n for (n,), _ in self.mixture)
 
     def reward(self, completion: str, example: Example) -> float:
-        return float(completion.strip() == example["answer"])
+        return float(completion == example["answer"])
 
 
 TASKS = {

@@ -190,6 +190,26 @@ class Tokenizer(Protocol):
     def decode(self, ids: Iterable[int]) -> str: ...
 
 
+def decode_response(tokenizer: Tokenizer, ids: Iterable[int]) -> str | None:
+    """The text of a sampled response up to its first EOS, or None when it is malformed.
+
+    Malformed: a PAD, a BOS (when the tokenizer has one) or an id outside ``[0, vocab_size)`` (a
+    checkpoint's embedding rows past the tokenizer) before the first EOS. Such tokens have no
+    text; dropping them would let the characters around them join into an answer (``[1, BOS,
+    0, 8]`` reading as ``"108"``), so a malformed response scores 0 whatever the reward, in
+    rollouts and in evaluation alike (``RolloutEngine.reward``). Tokens after the EOS (the
+    sampler's padding) are ignored.
+    """
+    seq = np.asarray(ids).reshape(-1)
+    eos = np.flatnonzero(seq == tokenizer.eos_id)
+    if eos.size:
+        seq = seq[: eos[0]]
+    specials = [i for i in (tokenizer.pad_id, getattr(tokenizer, "bos_id", None)) if i is not None]
+    if np.any((seq < 0) | (seq >= tokenizer.vocab_size) | np.isin(seq, specials)):
+        return None
+    return tokenizer.decode(seq)
+
+
 def qwen_chat_prompt(
     messages: Sequence[Mapping[str, str]],
     *,

@@ -4,8 +4,10 @@ loading/saving and the logical-axis sharding table."""
 
 from sat_jax.models.attention import attend, attend_reference
 from sat_jax.models.config import ModelConfig
-from sat_jax.models.hf import hf_tensor_shapes, load_hf, save_hf
+from sat_jax.models.hf import hf_tensor_shapes
 from sat_jax.models.hf_config import config_from_hf, config_to_hf
+from sat_jax.models.hf_load import load_hf
+from sat_jax.models.hf_save import save_hf
 from sat_jax.models.layers import (
     LayerCache,
     RMSNorm,

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sat_jax import advantages as advantage_lib
+from sat_jax.data import decode_response
 from sat_jax.data import evaluate as evaluate_generations
 from sat_jax.rl.batch import RolloutBatch
 from sat_jax.sampling import (
@@ -113,19 +114,22 @@ class RolloutEngine:
         )
         return [jax.tree.map(lambda a, i=i: a[i], out) for i in range(v)]
 
-    def completions(self, out: SampleOutput) -> list[str]:
+    def completions(self, out: SampleOutput) -> list[str | None]:
+        """Each row's response text; None for a malformed one (`decode_response`)."""
         response = np.asarray(out.tokens)[:, self.sampler.max_prompt_len :]
-        # Checkpoints pad the embedding past the tokenizer (Qwen3: 151,936 rows, ~151,669 tokens);
-        # a sampled padding id has no text, so it is dropped from the completion.
-        vocab = self.tokenizer.vocab_size
-        return [self.tokenizer.decode(row[row < vocab]) for row in response]
+        return [decode_response(self.tokenizer, row) for row in response]
+
+    def reward(self, completion: str | None, example: Example) -> float:
+        """``reward_fn``'s score, 0 for a malformed response: the one rule of rollouts and
+        evaluation."""
+        return 0.0 if completion is None else self.reward_fn(completion, example)
 
     def score(self, examples: Sequence[Example], out: SampleOutput) -> RolloutBatch:
         """Rewards, group advantages and the trainer's fields, all as NumPy arrays."""
         texts = self.completions(out)
         g = self.group_size
         rewards = np.array(
-            [self.reward_fn(texts[i], examples[i // g]) for i in range(len(texts))], np.float32
+            [self.reward(texts[i], examples[i // g]) for i in range(len(texts))], np.float32
         )
         for i in np.flatnonzero(~np.isfinite(rewards)):
             # Its group's advantages are then non-finite too, and the trainer step skips the
@@ -192,7 +196,7 @@ def evaluate(
     else:
         calls = itertools.count()
 
-        def generate(prompts: list[str]) -> list[list[str]]:
+        def generate(prompts: list[str]) -> list[list[str | None]]:
             batch = [{"prompt": p} for p in prompts]
             real = len(batch)
             batch += [batch[-1]] * (prompts_per_batch - real)
@@ -202,7 +206,7 @@ def evaluate(
 
         batch_size = prompts_per_batch
     res = evaluate_generations(
-        generate, examples, g, batch_size=batch_size, reward_fn=engine.reward_fn
+        generate, examples, g, batch_size=batch_size, reward_fn=engine.reward
     )
     keep = ("pass@1", f"avg@{g}", f"pass@{g}")
     return {name: float(v) for name, v in res.items() if name in keep or name.startswith("pass@1/")}

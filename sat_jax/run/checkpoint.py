@@ -27,13 +27,19 @@ the state's tree metadata (a bogus or partial directory); reading it fails with 
 says the bytes are bad (unparsable JSON, a missing file, TensorStore's ``DATA_LOSS``,
 ``OUT_OF_RANGE`` for a read past the end of a truncated file, ``FAILED_PRECONDITION`` for a
 stream that does not decompress, ``NOT_FOUND``); or the restored state holds a NaN or an
-infinity. Any other error (out of memory, a transient storage error, a target that does not match
-what was saved) is raised as it is, and no step is marked. ``restore(step=None)`` walks back past
-corrupt steps to the newest valid one; if none is valid it raises ``FileNotFoundError``.
-Skipped steps stay on disk until the next ``save`` of a step at or below them, which moves them
-to ``<directory>/invalid/`` (orbax would otherwise refuse to save a step older than the newest
-directory). Nothing is moved by ``restore`` itself. Orbax does not checksum array data: bytes
-flipped in place without changing a file's size can go undetected.
+infinity. The error itself or one it was raised *from* (``__cause__``) must say so: an error raised
+while another was being handled (``__context__``: out of memory while handling a missing file) is
+not corruption. Any other error (out of memory, a transient storage error, a target that does not
+match what was saved) is raised as it is, and no step is marked. ``restore(step=None)`` walks back
+past corrupt steps to the newest valid one; if none is valid it raises ``FileNotFoundError``.
+
+A step that ``restore`` or ``read_meta`` finds corrupt is moved at once to
+``<directory>/invalid/<step>.<time>`` (kept for inspection, never deleted) with a warning naming
+the step, the reason and where it went, so the resumed run's next save of that step really writes
+(and orbax accepts it: it refuses a step older than its newest directory). A structurally
+incomplete directory is left out of ``all_steps`` and moved aside by the next ``save`` of a step
+at or below it. A read-only ``Checkpointer`` moves nothing. Orbax does not checksum array data:
+bytes flipped in place without changing a file's size can go undetected.
 
 Finiteness: ``save`` refuses a state with a NaN or an infinity in any floating-point leaf
 (:class:`NonFiniteStateError`, naming the leaves), so a checkpoint never holds one.
@@ -106,6 +112,8 @@ class Checkpointer:
         before reading the files or exiting. Restores are always synchronous.
       read_only: Only read: the directory must exist, nothing in it is created, moved or
         deleted (orbax's clean-up of temporary directories included), and ``save`` raises.
+      fence: called at the start of every ``save`` (by every process); it raises to stop a
+        writer that no longer owns the directory (``sat_jax.run.lock.WorkdirLock.check``).
     """
 
     def __init__(
@@ -116,12 +124,14 @@ class Checkpointer:
         save_interval_steps: int = 1,
         async_save: bool = False,
         read_only: bool = False,
+        fence: Callable[[], None] | None = None,
     ):
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
         if save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         self.directory = os.fspath(directory)
+        self._fence = fence
         self._root = epath.Path(self.directory)
         self.read_only = bool(read_only)
         if self.read_only:
@@ -149,14 +159,16 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         # Steps found invalid by this process, with the reason; moved aside by the next save.
         self._invalid: dict[int, str] = {}
+        self._moves = 0  # names each move-aside barrier
 
     # ------------------------------------------------------------------ queries
 
     def all_steps(self) -> list[int]:
-        """Steps whose directories look complete, ascending (data are checked only on restore)."""
+        """Steps whose directories look complete and that no restore found corrupt, ascending
+        (data are checked only on restore)."""
         steps = []
         for step in sorted(self._manager.all_steps()):
-            reason = self._incomplete_reason(step)
+            reason = self._invalid.get(step) or self._incomplete_reason(step)
             if reason is None:
                 steps.append(step)
             else:
@@ -209,6 +221,8 @@ class Checkpointer:
                 f"{_names(bad)}"
             )
         meta = _jsonable(dict(meta), "meta")
+        if self._fence is not None:
+            self._fence()
         self._move_aside_invalid_at_or_above(step)
         existing = [s for s in self._manager.all_steps() if s >= step]
         if existing:
@@ -356,6 +370,9 @@ class Checkpointer:
             reason = reason or "invalid on another process"
             self._mark_invalid(s, reason)
             failures.append(f"step {s}: {reason}")
+            if not self.read_only:
+                # Every process reaches this point for the same step (the agreed outcome above).
+                self._move_aside([s])
         if step is not None:
             raise ValueError(f"checkpoint at step {step} in {self.directory} is invalid: {reason}")
         raise FileNotFoundError(
@@ -381,18 +398,28 @@ class Checkpointer:
                 if reason is not None:
                     self._mark_invalid(s, reason)
         doomed = sorted(s for s in self._invalid if s >= step and s in self._manager.all_steps())
-        if not doomed:
-            return
+        if doomed:
+            self._move_aside(doomed)
+
+    def _move_aside(self, steps: list[int]) -> None:
+        """Moves invalid ``steps`` to ``invalid/``, kept; every process must call it."""
         if jax.process_index() == 0:
             dest_root = self._root / _INVALID_DIR
             dest_root.mkdir(parents=True, exist_ok=True)
-            for s in doomed:
+            for s in steps:
                 dest = dest_root / f"{s}.{time.strftime('%Y%m%d-%H%M%S')}"
-                _log.warning("moving invalid checkpoint step %d to %s", s, dest)
+                _log.warning(
+                    "checkpoint step %d in %s is invalid (%s): moved to %s, kept for inspection",
+                    s,
+                    self.directory,
+                    self._invalid[s],
+                    dest,
+                )
                 self._step_dir(s).rename(dest)
         if jax.process_count() > 1:
-            ocp.multihost.sync_global_processes(f"sat_jax_checkpoint_move_aside_{step}")
-        for s in doomed:
+            self._moves += 1
+            ocp.multihost.sync_global_processes(f"sat_jax_checkpoint_move_aside_{self._moves}")
+        for s in steps:
             del self._invalid[s]
         self._manager.reload()
 
@@ -481,7 +508,9 @@ def _names(paths: list[str], limit: int = 5) -> str:
 
 
 def _is_corruption(error: BaseException) -> bool:
-    """Whether ``error`` (or an error it was raised from) says the stored bytes are bad."""
+    """Whether ``error``, or an error it was raised from (``__cause__``), says the stored bytes
+    are bad. An error only being handled when ``error`` was raised (``__context__``) proves
+    nothing: the new error is the failure."""
     seen = set()
     e: BaseException | None = error
     while e is not None and id(e) not in seen:
@@ -491,7 +520,7 @@ def _is_corruption(error: BaseException) -> bool:
         text = str(e)
         if any(f"{code}:" in text for code in _CORRUPT_CODES):
             return True
-        e = e.__cause__ or e.__context__
+        e = e.__cause__
     return False
 
 

@@ -37,6 +37,32 @@ def is_url(path: str) -> bool:
     return "://" in path
 
 
+class WorkdirURLError(ValueError):
+    """A URL workdir with an empty or dot path segment."""
+
+
+def check_url(url: str) -> str:
+    """``url`` without one trailing ``/``, refused when a path segment is empty, ``.`` or ``..``.
+
+    In a bucket ``runs//x``, ``runs/./x`` and ``runs/x`` are three different object names, while
+    local tools (and a reader's eye) take them for one directory: the same run would be locked
+    and resumed under one spelling and written under another. They are refused, not rewritten.
+
+    Raises:
+      WorkdirURLError: naming the URL and the segment.
+    """
+    scheme, _, rest = url.partition("://")
+    rest = rest[:-1] if rest.endswith("/") else rest
+    for i, segment in enumerate(rest.split("/")):
+        if segment in ("", ".", ".."):
+            what = "an empty" if not segment else f"a {segment!r}"
+            raise WorkdirURLError(
+                f"workdir {url!r} has {what} path segment (number {i + 1}): write the URL with "
+                "no '//', '/./' or '/../' in it"
+            )
+    return f"{scheme}://{rest}"
+
+
 def remote(url: str) -> epath.Path:
     """The path object of a URL workdir."""
     return epath.Path(url.rstrip("/"))
@@ -46,7 +72,8 @@ def run_paths(config) -> tuple[str, str]:
     """(local directory the logs and plots are written in, checkpoint directory)."""
     workdir = run_dir(config)
     if is_url(workdir):
-        scheme, rest = workdir.rstrip("/").split("://", 1)
+        workdir = check_url(workdir)
+        scheme, rest = workdir.split("://", 1)
         local = os.path.abspath(os.path.join("runs", "_remote", scheme, *rest.split("/")))
         return local, os.fspath(remote(workdir) / "checkpoints")
     workdir = os.path.abspath(workdir)

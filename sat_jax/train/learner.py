@@ -9,8 +9,10 @@ source's business (``sat_jax.rl.rollout_sources``), building the components is
 ``sat_jax.train.components``,
 stop signals, the non-finite-update guard and timers are ``sat_jax.train.controls``.
 
-Safety: one process trains in a workdir at a time (``sat_jax.run.lock``); SIGINT and SIGTERM
-save a checkpoint and stop, on every host after the same step; an update with a non-finite loss
+Safety: one process trains in a workdir at a time (``sat_jax.run.lock``, in the bucket for a
+``gs://`` workdir, checked before every checkpoint write); SIGINT and SIGTERM at any moment (the
+closing evaluation and save included) end with a checkpoint on every host, after the same step,
+and the signal's exit status everywhere; an update with a non-finite loss
 or gradient is not applied, and ``optim.max_nonfinite_steps`` such steps in a row stop the run
 (:class:`NonFiniteError`); no checkpoint is written with a non-finite value, and a restored one
 is checked (``sat_jax.run.checkpoint``).
@@ -52,20 +54,22 @@ from sat_jax.rl.rollout_sources import Rollout, RolloutSource, ScheduledRollouts
 from sat_jax.rl.stream import StreamRollouts
 from sat_jax.run import workdir as workdir_lib
 from sat_jax.run.checkpoint import Checkpointer
-from sat_jax.run.lock import WorkdirLock, WorkdirLocked
+from sat_jax.run.lock import LockLost, WorkdirLock, WorkdirLocked
 from sat_jax.run.metrics import RunLogger
 from sat_jax.run.plots import plot_run
 from sat_jax.run.progress import Progress
-from sat_jax.run.workdir import WorkdirNotShared
+from sat_jax.run.workdir import WorkdirNotShared, WorkdirURLError
 from sat_jax.train.components import Components, build, shared_train_step
 from sat_jax.train.controls import NonFiniteError, NonFiniteGuard, StopFlag, Timer
 
 __all__ = [
     "Components",
+    "LockLost",
     "NonFiniteError",
     "ResumeError",
     "WorkdirLocked",
     "WorkdirNotShared",
+    "WorkdirURLError",
     "build",
     "evaluate_run",
     "loss_spec",
@@ -157,6 +161,7 @@ def evaluate_run(config, *, checked: Checked | None = None) -> dict[str, Any]:
       FileNotFoundError: the run directory holds no checkpoint (checked before anything is
         built).
       WorkdirNotShared: the processes of a multi-host run see different checkpoints.
+      ResumeError: the run was trained with a different config (``eval.*`` aside).
     """
     workdir, ckpt_dir = workdir_lib.run_paths(config)
     found = epath.Path(ckpt_dir).is_dir()
@@ -173,6 +178,15 @@ def evaluate_run(config, *, checked: Checked | None = None) -> dict[str, Any]:
             )
         if latest is None:
             raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
+        # Another task, model or method would be evaluated without a word; the evaluation's own
+        # settings (eval.*) may differ.
+        stored = ckpt.read_meta(latest).get("config", {})
+        changed = [c for c in changed_fields(stored, config) if not c.startswith("eval.")]
+        if changed:
+            raise ResumeError(
+                f"{workdir} holds a run with a different config ({'; '.join(changed)}): "
+                "evaluate it with the config it was trained with (its config.json)"
+            )
         # The checkpoint's parameters replace these.
         parts = build(config, warmup=False, checked=checked)
         state = trainer.init_train_state(
@@ -477,6 +491,9 @@ def train(
     Raises:
       ConfigError: ``config`` is impossible (before any compute).
       WorkdirLocked: another live process trains in the workdir (before any compute).
+      LockLost: a gs:// workdir's lock was lost (its lease lapsed and another run took it);
+        raised before a checkpoint write, which is not made.
+      WorkdirURLError: a URL workdir with an empty or ``.`` path segment.
       WorkdirNotShared: a multi-host run's local workdir is not shared by its hosts.
       ResumeError: the workdir holds a run with another config and ``config.resume`` is set.
       NonFiniteError: ``config.optim.max_nonfinite_steps`` steps in a row had a non-finite loss
@@ -487,16 +504,24 @@ def train(
             config, num_devices=jax.device_count(), num_processes=jax.process_count()
         )
     workdir, ckpt_dir = workdir_lib.run_paths(config)
-    url = workdir_lib.run_dir(config) if workdir_lib.is_url(workdir_lib.run_dir(config)) else None
+    url = workdir_lib.run_dir(config)
+    url = workdir_lib.check_url(url) if workdir_lib.is_url(url) else None
     workdir_lib.check_shared(workdir if url is None else url)
-    with WorkdirLock(url or workdir, "train"):
+    with WorkdirLock(url or workdir, "train") as lock:
         return _train(
-            config, workdir, ckpt_dir, url=url, max_steps=max_steps, quiet=quiet, checked=checked
+            config,
+            workdir,
+            ckpt_dir,
+            url=url,
+            max_steps=max_steps,
+            quiet=quiet,
+            checked=checked,
+            fence=lock.check,
         )
 
 
 def _train(
-    config, workdir: str, ckpt_dir: str, *, url, max_steps, quiet, checked
+    config, workdir: str, ckpt_dir: str, *, url, max_steps, quiet, checked, fence=None
 ) -> dict[str, Any]:
     log = (
         (lambda msg: None)
@@ -505,7 +530,7 @@ def _train(
     )
     if not config.resume:
         _start_over(workdir, ckpt_dir, log, url)
-    with Checkpointer(ckpt_dir, max_to_keep=config.checkpoint.max_to_keep) as ckpt:
+    with Checkpointer(ckpt_dir, max_to_keep=config.checkpoint.max_to_keep, fence=fence) as ckpt:
         resumed = _check_resumable(config, ckpt, workdir)
         horizon = _schedule_horizon(config, ckpt if resumed is not None else None)
         cosine = config.optim.schedule == "cosine"
@@ -541,24 +566,26 @@ def _train(
                 "start when 0), where the rate is 0: resuming keeps the horizon. Start a new "
                 "run (another --workdir, or --config.resume=False) with the longer horizon"
             )
-        s = _Session(
-            config,
-            max_steps=max_steps,
-            quiet=quiet,
-            ckpt=ckpt,
-            workdir=workdir,
-            log=log,
-            horizon=horizon,
-            checked=checked,
-            url=url,
-        )
-        interrupted = False
+        # Installed from the session's start through its closing evaluation, save and log upload:
+        # a signal at any of those moments ends with a checkpoint, never a half-written one.
         stop = StopFlag()
-        try:
-            if s.start == 0 and config.eval.every:
-                s.evaluate(0)
-            s.source.start()
-            with stop:
+        interrupted = False
+        with stop:
+            s = _Session(
+                config,
+                max_steps=max_steps,
+                quiet=quiet,
+                ckpt=ckpt,
+                workdir=workdir,
+                log=log,
+                horizon=horizon,
+                checked=checked,
+                url=url,
+            )
+            try:
+                if s.start == 0 and config.eval.every:
+                    s.evaluate(0)
+                s.source.start()
                 for step in range(s.start, s.end):
                     t0 = time.perf_counter()
                     rollout = s.source.next(step)
@@ -576,10 +603,16 @@ def _train(
                         s.save(step + 1)
                         log(f"interrupted: checkpoint saved at step {step + 1} in {workdir}")
                         break
-            if not interrupted:
-                s.finish()
-        finally:
-            s.close()
+                if not interrupted:
+                    s.finish()
+            finally:
+                s.close()
+            if not interrupted and stop.agreed():
+                # Signalled during the closing evaluation, save or upload, on some host: the
+                # closing checkpoint is written, and every host exits with the signal's status,
+                # as a scheduler expects of a preempted process.
+                interrupted = True
+                log(f"interrupted after the last step: checkpoint at step {s.end} in {workdir}")
     wall = s.timer.wall
     if s.primary and config.log.plots and not interrupted:
         with contextlib.suppress(Exception):

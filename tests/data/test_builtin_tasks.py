@@ -41,7 +41,7 @@ def test_reward_is_exact_match():
     task = AdditionTask(num_digits=2, train_size=10, eval_size=10)
     ex = {"prompt": "37+85=", "answer": "122"}
     assert task.reward("122", ex) == 1.0
-    assert task.reward(" 122 ", ex) == 1.0
+    assert task.reward(" 122 ", ex) == 0.0
     assert task.reward("0122", ex) == 0.0
     assert task.reward("122=", ex) == 0.0
     assert task.reward("12", ex) == 0.0

@@ -4,7 +4,10 @@ other files."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import chex
 import jax
@@ -12,7 +15,7 @@ import pytest
 
 pytest.importorskip("safetensors", reason="needs the safetensors package (sat_jax[hf])")
 
-from sat_jax.models import ModelConfig, hf, init_model, load_hf, save_hf  # noqa: E402
+from sat_jax.models import ModelConfig, hf, hf_save, init_model, load_hf, save_hf  # noqa: E402
 
 MODEL = ModelConfig(
     vocab_size=64,
@@ -37,7 +40,7 @@ def test_failed_save_keeps_the_old_checkpoint_and_a_good_one_replaces_it(
     tmp_path, monkeypatch, exchange
 ):
     if not exchange:
-        monkeypatch.setattr(hf, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(hf_save, "_exchange", lambda a, b: False)
     path = tmp_path / "ckpt"
     _, old = init_model(MODEL, seed=0)
     _, new = init_model(MODEL, seed=1)
@@ -72,3 +75,49 @@ def test_failed_save_keeps_the_old_checkpoint_and_a_good_one_replaces_it(
     assert (path / "tokenizer.json").read_text() == '{"model": "kept"}'
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     _assert_params(path, new)
+
+
+def test_save_into_a_symlinked_directory_replaces_its_target(tmp_path):
+    _, params = init_model(MODEL, seed=0)
+    target = tmp_path / "real"
+    save_hf(target, MODEL, params)
+    (tmp_path / "link").symlink_to(target, target_is_directory=True)
+    _, new = init_model(MODEL, seed=1)
+    assert save_hf(tmp_path / "link", MODEL, new) == tmp_path / "link"
+    assert (tmp_path / "link").is_symlink() and os.readlink(tmp_path / "link") == str(target)
+    _assert_params(target, new)
+    assert sorted(os.listdir(tmp_path)) == ["link", "real"]  # nothing left beside them
+
+
+def test_a_killed_save_leaves_nothing_the_next_save_keeps(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid no process has now
+    _, params = init_model(MODEL, seed=0)
+    abandoned = tmp_path / f".ckpt.saving-{dead.pid}"
+    abandoned.mkdir()
+    (abandoned / "model.safetensors").write_bytes(b"half")
+    live = tmp_path / f".ckpt.saving-{os.getppid()}"  # a live process's save in flight: kept
+    live.mkdir()
+    save_hf(tmp_path / "ckpt", MODEL, params)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", live.name])
+    _assert_params(tmp_path / "ckpt", params)
+
+
+def test_a_shard_under_a_symlinked_subdirectory_is_refused(tmp_path):
+    _, params = init_model(MODEL, seed=0)
+    save_hf(tmp_path / "outside", MODEL, params, max_shard_size="20KB")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "sub").symlink_to(tmp_path / "outside", target_is_directory=True)
+    index = json.loads((tmp_path / "outside" / hf.INDEX_FILE).read_text())
+    index["weight_map"] = {k: f"sub/{v}" for k, v in index["weight_map"].items()}
+    (ckpt / hf.INDEX_FILE).write_text(json.dumps(index))
+    (ckpt / hf.CONFIG_FILE).write_text((tmp_path / "outside" / hf.CONFIG_FILE).read_text())
+    with pytest.raises(ValueError, match="symlink to a directory"):
+        load_hf(ckpt)
+    # A linked shard file (the Hugging Face cache's layout) still loads.
+    (ckpt / "sub").unlink()
+    (ckpt / "sub").mkdir()
+    for v in set(index["weight_map"].values()):
+        (ckpt / v).symlink_to(tmp_path / "outside" / v.split("/", 1)[1])
+    _assert_params(ckpt, params)

@@ -119,7 +119,7 @@ TRAIN_CMD = (
 )
 INSTALL = (
     "python3.11 -m venv ~/sat_jax_venv && . ~/sat_jax_venv/bin/activate && cd sat_jax"
-    ' && pip install --quiet -U pip && pip install -e ".[test]" && pip install -U "jax[tpu]"'
+    ' && pip install --quiet -U pip && pip install -e ".[test,gcs]" && pip install -U "jax[tpu]"'
     " && python -c 'import jax, sat_jax; print(\"sat_jax ready, jax\", jax.__version__)'"
 )
 APT = (
@@ -514,9 +514,15 @@ def test_setup_remote_command_is_valid_shell(env):
 
 
 SECRET_URL = "https://user:s3cr3t@example.com/sat_jax.git"
+# A token in the query string (some git hosts' access links) is a credential too.
+SECRET_URLS = pytest.mark.parametrize(
+    "secret_url", [SECRET_URL, "https://example.com/sat_jax.git?private_token=s3cr3t"]
+)
 
 
-def test_repo_url_credentials_reach_no_command_line(env):
+@SECRET_URLS
+def test_repo_url_credentials_reach_no_command_line(env, secret_url):
+    SECRET_URL = secret_url
     proc = run(
         "setup.sh", [*BASE, "--repo-url", SECRET_URL, "--ref", "v0.1", "--num-slices=2"], env
     )
@@ -531,7 +537,11 @@ def test_repo_url_credentials_reach_no_command_line(env):
     assert "s3cr3t" not in dry.stdout + dry.stderr
 
 
-def test_repo_url_credentials_stay_out_of_the_workers_git_config(env, checkout, tmp_path):
+@SECRET_URLS
+def test_repo_url_credentials_stay_out_of_the_workers_git_config(
+    env, checkout, tmp_path, secret_url
+):
+    SECRET_URL = secret_url
     run("setup.sh", [*BASE, "--repo-url", SECRET_URL, "--ref", "main", "--apt-packages="], env)
     command = command_of([c for c in calls(env) if c[4] == "ssh"][0])
     fetch = command[: command.index(" && python3.11 -m venv")]  # the git part
@@ -652,7 +662,7 @@ def test_help_lists_settings(script, env):
 
 def test_help_shows_defaults(env):
     out = run("setup.sh", ["--help"], env).stdout
-    assert '[env INSTALL_CMD, default: pip install -e ".[test]"]' in out
+    assert '[env INSTALL_CMD, default: pip install -e ".[test,gcs]"]' in out
     assert '[env JAX_INSTALL_CMD, default: pip install -U "jax[tpu]"]' in out
     out = run("train.sh", ["--help"], env).stdout
     assert "[env COORDINATOR_PORT, default: 8476]" in out

@@ -89,8 +89,8 @@ def _nan_rewards(monkeypatch, which):
 
     def patched(config, log=lambda msg: None, **kwargs):
         parts = build(config, log, **kwargs)
-        reward = parts.engine.reward_fn
-        parts.engine.reward_fn = lambda text, ex: math.nan if which(ex) else reward(text, ex)
+        reward = parts.engine.reward
+        parts.engine.reward = lambda text, ex: math.nan if which(ex) else reward(text, ex)
         return parts
 
     monkeypatch.setattr(learner, "build", patched)
@@ -173,3 +173,25 @@ def test_warmup_cache_with_non_finite_values_is_rebuilt(tmp_path, cache_dir):
     assert any("NaN or infinity" in m for m in logs) and "warm-up: trained" in logs[-1]
     for a, b in zip(_leaves(again.params), _leaves(first.params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_resume_past_a_corrupt_newest_checkpoint_saves_that_step_again(tmp_path, cache_dir):
+    config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
+    config.checkpoint.every = 1
+    learner.train(config, quiet=True)  # steps 1 and 2
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    for path in (ckpt_dir / "2" / "state" / "d").iterdir():  # truncated: its data unreadable
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
+    config.num_steps = 3
+    summary = learner.train(config, quiet=True)  # resumes at step 1, trains step 2 again
+    assert summary["start_step"] == 1 and summary["end_step"] == 3
+    assert [p.name.split(".")[0] for p in (ckpt_dir / "invalid").iterdir()] == ["2"]
+    parts = learner.build(config)
+    state = trainer.init_train_state(
+        parts.params, parts.optimizer, parts.mesh, config=parts.model_cfg
+    )
+    with Checkpointer(ckpt_dir, read_only=True) as ckpt:
+        target = learner._restore_target(state, parts.params, parts.params)
+        _, meta, step = ckpt.restore(target, step=2, unchecked=learner._DATA)
+    assert step == 2 and meta["step"] == 2

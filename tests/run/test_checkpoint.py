@@ -189,3 +189,38 @@ def test_save_interval_async_and_input_checks(tmp_path):
     with pytest.raises(ValueError, match="non-negative"):
         ckpt.save(-1, state, {})
     ckpt.close()
+
+
+def test_a_corrupt_step_found_by_restore_is_moved_aside_at_once(tmp_path, caplog):
+    ckpt = Checkpointer(tmp_path)
+    saved = _save_steps(ckpt, [1, 2])
+    _truncate_data_files(tmp_path / "2")
+    ckpt = Checkpointer(tmp_path)  # a resumed run: nothing known about step 2 yet
+    assert ckpt.all_steps() == [1, 2]  # structurally complete
+    with caplog.at_level(logging.WARNING):
+        _, _, step = ckpt.restore(_state(0))
+    assert step == 1
+    # Kept for inspection, out of the steps, and the message says what moved where and why.
+    (moved,) = (tmp_path / "invalid").iterdir()
+    assert moved.name.startswith("2.") and (moved / "state").is_dir()
+    assert not (tmp_path / "2").exists() and ckpt.all_steps() == [1]
+    assert any(
+        "step 2" in r.getMessage()
+        and str(moved) in r.getMessage()
+        and "restore failed" in r.getMessage()
+        for r in caplog.records
+    )
+    # The resumed run's save of step 2 really writes.
+    assert ckpt.save(2, saved[2], {"again": True})
+    ckpt.wait()
+    restored, meta, step = Checkpointer(tmp_path, read_only=True).restore(_state(0))
+    assert step == 2 and meta == {"again": True}
+    _assert_bitwise_equal(restored, saved[2])
+
+
+def test_read_only_restore_moves_nothing(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    _save_steps(ckpt, [1, 2])
+    _truncate_data_files(tmp_path / "2")
+    _, _, step = Checkpointer(tmp_path, read_only=True).restore(_state(0))
+    assert step == 1 and (tmp_path / "2").is_dir() and not (tmp_path / "invalid").exists()

@@ -129,3 +129,30 @@ def test_read_only_creates_and_cleans_nothing(tmp_path):
         with pytest.raises(ValueError, match="read-only"):
             reader.save(5, _state(5.0), {})
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
+
+
+def test_an_error_raised_while_handling_a_missing_file_is_not_corruption(tmp_path, monkeypatch):
+    # Out of memory while orbax handles a missing file: the FileNotFoundError is only the
+    # context of the real failure, which must stop the restore instead of walking past step 2.
+    ckpt = Checkpointer(tmp_path)
+    _save(ckpt, [1, 2])
+    real = ckpt._manager.restore
+
+    def oom_while_handling(step, args=None):
+        if "state" in args.keys():
+            try:
+                raise FileNotFoundError("a cache file")
+            except FileNotFoundError:
+                raise MemoryError("host memory exhausted")  # noqa: B904 (the context is the point)
+        return real(step, args=args)
+
+    monkeypatch.setattr(ckpt._manager, "restore", oom_while_handling)
+    with pytest.raises(MemoryError):
+        ckpt.restore(_state(0.0))
+    assert ckpt.all_steps() == [1, 2] and not (tmp_path / "invalid").exists()
+    context = MemoryError("oom")
+    context.__context__ = FileNotFoundError("x")
+    caused = ValueError("read failed")
+    caused.__cause__ = FileNotFoundError("x")
+    assert not checkpoint_lib._is_corruption(context)
+    assert checkpoint_lib._is_corruption(caused)

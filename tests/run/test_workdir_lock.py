@@ -60,9 +60,11 @@ def test_live_holder_is_refused_by_name_and_dead_holder_taken_over(tmp_path, hol
         pass
 
 
-def test_url_workdirs_lock_distinct_local_files():
-    a, b = lock_path("gs://a/x"), lock_path("gs://b/x")
-    assert a != b and "://" not in a and lock_path("gs://a/x/") == a
+def test_lock_paths():
+    # gs:// in the bucket (tests/run/test_gcs_workdir.py); other URL schemes a local file each.
+    assert lock_path("gs://a/x") == lock_path("gs://a/x/") == f"gs://a/x/{LOCK_FILE}"
+    a, b = lock_path("memory://a/x"), lock_path("memory://b/x")
+    assert a != b and "://" not in a and lock_path("memory://a/x/") == a
 
 
 def test_train_refuses_a_workdir_in_use_before_anything_runs(tmp_path, holder):
