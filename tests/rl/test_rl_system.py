@@ -26,12 +26,13 @@ from sat_jax.sampling import SamplingParams
 from sat_jax.train import learner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# The real-model configs (qwen3_*.py) name a checkpoint to load (model.hf_path); their tiny
-# runs are tests/data/test_task_configs.py's.
+# The real-model configs name a checkpoint to load (model.hf_path); their tiny runs are
+# tests/data/test_task_configs.py's.
+REAL_MODEL_CONFIGS = ("qwen3_30b_a3b.py", "qwen3_30b_a3b_math.py", "qwen3_countdown.py")
 METHOD_CONFIGS = sorted(
     p
     for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
-    if not os.path.basename(p).startswith("qwen3_")
+    if os.path.basename(p) not in REAL_MODEL_CONFIGS
 )
 
 
