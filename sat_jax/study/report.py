@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 import platform
-import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -83,35 +82,11 @@ def collect(
 
 
 def provenance() -> dict[str, str]:
-    """Commit (with a note when the tree has uncommitted changes), JAX and Python versions, the
-    backend's devices."""
-    import jax
-
-    src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        commit = subprocess.run(
-            ["git", "-C", src, "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", src, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        if dirty:
-            commit += " (with uncommitted changes)"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown (not a git checkout)"
-    devices = jax.devices()
+    """Commit (with a note when ``sat_jax/`` has uncommitted changes), JAX and Python versions,
+    the backend's devices and the host (``runner.run_provenance``'s, which every run records)."""
+    run = runner.run_provenance()
     return {
-        "commit": commit,
-        "jax": jax.__version__,
-        "python": platform.python_version(),
-        "devices": f"{len(devices)} × {devices[0].device_kind} ({jax.default_backend()})",
+        **{k: run[k] for k in ("commit", "jax", "python", "devices")},
         "host": f"{platform.node()}, {os.cpu_count()} CPU cores",
     }
 
