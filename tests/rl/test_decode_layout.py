@@ -149,6 +149,13 @@ def test_evaluation_in_large_calls_equals_training_shaped_calls(cfg, params, mon
         for p in "1+2= 33*4= 5= 123+45= 9-8= 7= 60*61= 2+2= 8= 41-1= 0=".split()
     ]
     key = jax.random.key(21)
+    # An untrained model's responses are malformed under the decoding rule (PAD/BOS before EOS:
+    # all score 0); this test is about which row gets which sample, so it reads every row's raw
+    # text, and any token that differs between the layouts changes a reward.
+    response = lambda out: np.asarray(out.tokens)[:, engine.sampler.max_prompt_len :]  # noqa: E731
+    engine.completions = lambda out: [
+        TOKENIZER.decode(row[row < TOKENIZER.vocab_size]) for row in response(out)
+    ]
     monkeypatch.setattr(rollout, "DECODE_LAYOUT", "per_call")
     assert not engine.merges_rows
     want = rollout.evaluate(engine, params[1], examples, 4, key, version=3)

@@ -19,7 +19,7 @@ from _tiny_models import tiny_run as tiny
 
 from sat_jax import config as config_lib
 from sat_jax import parallel
-from sat_jax.rl import lag_stats, sft, trainer
+from sat_jax.rl import LagSchedule, lag_stats, sft, trainer
 from sat_jax.rl.stream import StreamRollouts
 from sat_jax.run.metrics import read_metrics
 from sat_jax.sampling import SamplingParams
@@ -79,7 +79,7 @@ def test_lag_bookkeeping_is_exact(mode, lag, correction, tmp_path, cache_dir, mo
     hist = learner.train(config, quiet=True)["history"]
     # Five steps, one compilation: the state's step counters are placed like the rest of it.
     assert [f._cache_size() for f in steps] == [1]
-    schedule = learner.LagSchedule(mode, lag)
+    schedule = LagSchedule(mode, lag)
     for j, h in enumerate(hist):
         expected = j - schedule.version_for(j)
         # Every token of batch j was produced by exactly the scheduled version.
@@ -103,7 +103,7 @@ def test_sampled_lag_float16_engine_and_router_noise_run_end_to_end(tmp_path, ca
     config.rollout.dtype, config.rollout.router_noise = "float16", 1.0
     config.num_steps = 4
     hist = learner.train(config, quiet=True)["history"]
-    schedule = learner.LagSchedule("sampled", 2, "zipf", 3)
+    schedule = LagSchedule("sampled", 2, "zipf", 3)
     for j, h in enumerate(hist):
         lags = j - schedule.group_versions(j, config.rollout.prompts_per_step, config.seed)
         assert (h["lag/min"], h["lag/max"]) == (lags.min(), lags.max()), (j, h, lags)

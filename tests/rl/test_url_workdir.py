@@ -9,6 +9,7 @@ from etils import epath
 from test_rl_system import _same_rows, _train_rows, tiny
 
 from sat_jax import config as config_lib
+from sat_jax.run import lock as lock_lib
 from sat_jax.run import workdir as workdir_lib
 from sat_jax.run.metrics import read_metrics
 from sat_jax.train import learner
@@ -19,12 +20,30 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("sft-cache")
 
 
+class _NoLease:
+    """The bucket lock's stand-in: the bucket here is a local directory, which has no object
+    generations (tests/run/test_gcs_workdir.py tests the lock against a GCS emulator)."""
+
+    def __init__(self, *args):
+        pass
+
+    def acquire(self, holder):
+        pass
+
+    def check(self):
+        pass
+
+    def release(self):
+        pass
+
+
 @pytest.fixture
 def bucket(tmp_path, monkeypatch):
     root = tmp_path / "gcs"
     monkeypatch.setattr(
         workdir_lib, "remote", lambda url: epath.Path(root / url.split("://", 1)[1].rstrip("/"))
     )
+    monkeypatch.setattr(lock_lib, "_BucketLease", _NoLease)
     return root
 
 

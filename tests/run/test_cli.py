@@ -52,7 +52,7 @@ INVALID = [
     ("loss.alpha=1.5", "loss.alpha=1.5 (checked by 'sat_gspo'): `alpha` must be <= 1.0"),
     ("loss.eps_low=1.0", "loss.eps_low=1.0 (checked by 'sat_gspo'): `eps_low` must be < 1.0"),
     ("loss.eps_high=-0.1", "`eps_high` must be >= 0.0"),
-    ("loss.dual_clip=0.5", "loss.dual_clip=0.5 (checked by 'grpo'): `dual_clip` must be > 1.0"),
+    ("loss.dual_clip=0.5", "`dual_clip` must be > 1.0"),
     ("loss.hill_exponent=0", "`hill_exponent` must be > 0.0"),
     ("loss.objective=nope", "loss.objective 'nope' is not one of"),
     ("loss.correction=nope", "loss.correction must be 'none' or one of"),
