@@ -225,21 +225,20 @@ def routing_flip_share(router_top_k, routing, prompt_width: int) -> jax.Array:
 def _loss_fields(batch: RolloutBatch, spec: LossSpec, version=None) -> dict[str, jax.Array]:
     """The per-sequence / per-token fields the objective reads (all with the batch on axis 0).
 
-    An objective that takes ``staleness=`` also gets each token's versions behind the policy
-    being trained, ``version − batch.versions`` (``version``: the updates applied so far)."""
+    With ``version`` (the updates applied so far) it also holds each token's versions behind the
+    policy being trained, ``staleness = version − batch.versions``: the mismatch by staleness
+    bucket reads it for every objective, and an objective that takes ``staleness=`` gets it."""
     fields = {
         "response_mask": batch.response_mask,
         "behavior_logp": batch.behavior_logp,
         "advantages": batch.advantages,
     }
-    if losses.registry.takes_staleness(spec.objective):
-        if version is None:
-            raise ValueError(
-                f"objective {spec.objective!r} takes `staleness`: pass the parameters' version"
-            )
+    if version is None and losses.registry.takes_staleness(spec.objective):
+        raise ValueError(
+            f"objective {spec.objective!r} takes `staleness`: pass the parameters' version"
+        )
+    if version is not None:
         fields["staleness"] = (version - batch.versions).astype(jnp.int32)
-    if version is not None:  # for the mismatch by staleness bucket (every objective)
-        fields["lag"] = (version - batch.versions).astype(jnp.int32)
     return fields
 
 
@@ -282,7 +281,8 @@ def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_na
             mask=mask,
             **dict(spec.correction_kwargs),
         )
-    extra = {"staleness": batch["staleness"]} if "staleness" in batch else {}
+    takes = "staleness" in batch and losses.registry.takes_staleness(spec.objective)
+    extra = {"staleness": batch["staleness"]} if takes else {}
     out = losses.get(spec.objective)(
         logp,
         denominator,
@@ -306,8 +306,8 @@ def _objective(logp, entropy, old_logp, ref_logp, batch, spec: LossSpec, axis_na
     # The shape of the ratio the loss sees: percentiles of |log r|, sequence maximum, ESS.
     for name, value in losses.mismatch_shape(logp, denominator, mask, axis_name).items():
         metrics[f"mismatch/{name}"] = value
-    if "lag" in batch:
-        metrics.update(_mismatch_by_lag(logp, denominator, mask, batch["lag"], axis_name))
+    if "staleness" in batch:
+        metrics.update(_mismatch_by_lag(logp, denominator, mask, batch["staleness"], axis_name))
     if spec.decompose_mismatch:
         parts = losses.mismatch_decomposition(logp, old_logp, behavior, mask, axis_name)
         for key, value in parts.items():
