@@ -27,6 +27,11 @@ OUT=${1:?usage: benchmarks/accelerator.sh [--cpu-smoke] OUT_DIR}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
+# A relative interpreter path (PYTHON=.venv/bin/python) would break once the steps cd into
+# benchmarks/: make it absolute, keeping the venv's own path (no symlink resolution).
+if [[ $PY == */* ]]; then
+  PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"
+fi
 LOG="$OUT/log.txt"
 : >"$LOG"
 say() { echo "== $*" | tee -a "$LOG"; }
