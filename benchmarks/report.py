@@ -75,7 +75,8 @@ ABOUT = {
     ),
     "study_run": (
         "A staleness protocol run, per decode layout",
-        "a reduced run of the staleness protocol (`GRIDS['stale']`, one arm and seed; study 1's "
+        "a reduced run of the staleness protocol (grid `stale` of `configs/studies/stale.py`, "
+        "one arm and seed; study 1's "
         "fixed lag and study 2's sampled lag) with the per-call decode layout (evaluation in "
         "training-shaped calls, one decode per behaviour version) and the merged one (large "
         "evaluation calls of one shape, every version of a batch in one vmap'd decode), in "

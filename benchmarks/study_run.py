@@ -1,11 +1,14 @@
 """One run of the staleness protocol, old decode layout against new, with where the time goes.
 
-Runs a reduced protocol run (the ``GRIDS["stale"]`` config of one arm and seed: ``stale_sort``,
-its model, warm-up, learning rate and evaluation set; ``--steps`` steps, an evaluation every
-``--eval-every`` steps of ``--eval-prompts`` held-out prompts × 8) once per decode layout
-(``sat_jax.rl.rollout.DECODE_LAYOUT``): ``per_call`` (evaluation in training-shaped calls, one
-decode per behaviour version) and ``merged`` (large evaluation calls of one shape, every version
-of a batch in one vmap'd decode), alternating ``--rounds`` times, in two settings:
+Runs a reduced protocol run (one arm and seed of the ``stale`` grid in
+``configs/studies/stale.py``: ``stale_sort``, its model, warm-up, learning rate and evaluation
+set; ``--steps`` steps, an evaluation every ``--eval-every`` steps of ``--eval-prompts``
+held-out prompts × 8) once per decode layout (``sat_jax.rl.rollout.DECODE_LAYOUT`` and
+``VERSIONS_LAYOUT``): ``per_call`` (the old path: evaluation in training-shaped calls, one
+decode per behaviour version), ``merged`` (the default: large evaluation calls of one shape, one
+decode per behaviour version) and, with ``--layouts per_call,merged,vmapped``, ``vmapped``
+(large evaluation calls, every version of a sampled-lag batch in one vmap'd decode), alternating
+``--rounds`` times, in two settings:
 
 * ``fixed``: study 1, a fixed lag of 4 (``--lag``);
 * ``sampled``: study 2's setting, a Zipf-distributed lag per group (mean 8, cap 32, lr 4e-5).
@@ -15,7 +18,8 @@ Per run it prints the wall time and its phases: ``build`` (data, model, cached w
 phases below, each of which includes its own), ``rollout_decode`` (compiled decoding),
 ``rollout_host`` (tokenising, scoring, batch assembly), ``train_step``, ``eval``, ``metrics``
 (the per-step statistics and logs) and ``other`` (the rest: publishing versions, checkpoints,
-plots). ``new_over_old`` is merged wall time over per-call wall time, without ``build``, per
+plots). ``new_over_old`` is merged wall time over per-call wall time (``vmapped_over_old`` likewise),
+without ``build``, per
 setting (best round of each); below 1 the new layout is faster. ``eval_max_abs_diff`` is the
 largest difference of a held-out metric between the layouts (the same keys draw the same
 tokens; a bfloat16 engine's rounding can move a rare token).
@@ -40,10 +44,15 @@ import numpy as np
 
 from sat_jax.rl import rollout
 from sat_jax.run.metrics import read_metrics
-from sat_jax.study.grid import GRIDS, expand
+from sat_jax.study.grid import expand, grids
 from sat_jax.train import learner
 
-LAYOUTS = ("per_call", "merged")
+#: layout name -> (rollout.DECODE_LAYOUT, rollout.VERSIONS_LAYOUT)
+LAYOUTS = {
+    "per_call": ("per_call", "per_version"),
+    "merged": ("merged", "per_version"),
+    "vmapped": ("merged", "vmapped"),
+}
 SETTINGS = {
     "fixed": {"lag_mode": "fixed"},
     "sampled": {
@@ -93,7 +102,7 @@ def _patched(obj, name, value):
 
 
 def _config(setting: str, workdir: str, args):
-    (_, c), *_ = expand(GRIDS["stale"], workdir)
+    (_, c), *_ = expand(grids()["stale"], workdir)
     c.seed = args.seed
     c.lag = args.lag
     for key, value in SETTINGS[setting].items():
@@ -117,7 +126,9 @@ def run(setting: str, layout: str, clock: _Clock, args) -> dict:
     sampler._JIT_CACHE.clear()
     clock.seconds = {}
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
-        stack.enter_context(_patched(rollout, "DECODE_LAYOUT", layout))
+        decode, versions = LAYOUTS[layout]
+        stack.enter_context(_patched(rollout, "DECODE_LAYOUT", decode))
+        stack.enter_context(_patched(rollout, "VERSIONS_LAYOUT", versions))
         stack.enter_context(_patched(learner, "build", clock.timed("build", learner.build)))
         stack.enter_context(_patched(learner, "_eval", clock.timed("eval", learner._eval)))
         record = clock.timed("metrics", learner._Session.record)
@@ -176,7 +187,10 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=512)
     ap.add_argument("--lag", type=int, default=4, help="the fixed setting's lag")
     ap.add_argument("--seed", type=int, default=4, help="the protocol's first seed")
-    ap.add_argument("--rounds", type=int, default=1, help="alternations of the two layouts")
+    ap.add_argument("--rounds", type=int, default=1, help="alternations of the layouts")
+    ap.add_argument(
+        "--layouts", default="per_call,merged", help=f"some of {sorted(LAYOUTS)}, per_call first"
+    )
     ap.add_argument("--settings", default="fixed,sampled")
     ap.add_argument("--sft-steps", type=int, default=None, help="warm-up steps (smoke runs)")
     args = ap.parse_args()
@@ -184,9 +198,13 @@ def main() -> None:
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown or not settings:
         ap.error(f"--settings must name some of {sorted(SETTINGS)}, got {args.settings!r}")
+    layouts = [x for x in args.layouts.split(",") if x]
+    if layouts[:2] != ["per_call", "merged"] or not set(layouts) <= set(LAYOUTS):
+        ap.error(f"--layouts must be per_call,merged[,vmapped], got {args.layouts!r}")
     clock = _Clock()
     out = {
-        "config": f"GRIDS['stale'] arm gspo, seed {args.seed}, {args.steps} steps, eval every "
+        "config": f"grid stale (configs/studies/stale.py) arm gspo, seed {args.seed}, "
+        f"{args.steps} steps, eval every "
         f"{args.eval_every} steps on {args.eval_prompts} prompts x 8; fixed: lag {args.lag}; "
         "sampled: Zipf lag mean 8, cap 32, lr 4e-5",
         "jax": jax.__version__,
@@ -194,21 +212,26 @@ def main() -> None:
         "rounds": args.rounds,
     }
     for setting in settings:
-        rounds: dict[str, list[dict]] = {layout: [] for layout in LAYOUTS}
+        rounds: dict[str, list[dict]] = {layout: [] for layout in layouts}
         for i in range(args.rounds):
-            for layout in LAYOUTS if i % 2 == 0 else LAYOUTS[::-1]:
+            for layout in layouts if i % 2 == 0 else layouts[::-1]:
                 rounds[layout].append(run(setting, layout, clock, args))
         best = {k: min(v, key=lambda r: r["wall_without_build_s"]) for k, v in rounds.items()}
         out[setting] = {
             "old": best["per_call"],
             "new": best["merged"],
-            "new_over_old": round(
-                best["merged"]["wall_without_build_s"] / best["per_call"]["wall_without_build_s"],
-                3,
-            ),
+            **{
+                ("new" if layout == "merged" else layout) + "_over_old": round(
+                    best[layout]["wall_without_build_s"] / best["per_call"]["wall_without_build_s"],
+                    3,
+                )
+                for layout in layouts[1:]
+            },
             "eval_max_abs_diff": _max_abs_diff(best["per_call"]["evals"], best["merged"]["evals"]),
             "per_round": rounds,
         }
+        if "vmapped" in best:
+            out[setting]["vmapped"] = best["vmapped"]
     _results.write("study_run", out)
     print(json.dumps(out, indent=1))
 

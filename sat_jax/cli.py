@@ -398,10 +398,14 @@ def compare_grid(rest: list[str]) -> int:
     except ValueError as e:
         return _fail(str(e))
     command = "sat-jax " + shlex.join(sys.argv[1:])
+    shape = (
+        f"{len(grid.methods)} methods × {len(grid.lags)} lags × "
+        f"{len(grid.lrs or (None,))} learning rates × {grid.seeds} seeds"
+        if not (grid.arm_lags or grid.arm_seeds)
+        else f"{len(grid.methods)} methods, each at its own lags and seeds"
+    )
     print(
-        f"study {grid.name}: {len(runs)} runs ({len(grid.methods)} methods × "
-        f"{len(grid.lags)} lags × {len(grid.lrs or (None,))} learning rates × {grid.seeds} "
-        f"seeds) in {out}",
+        f"study {grid.name}: {len(runs)} runs ({shape}) in {out}",
         file=sys.stderr,
         flush=True,
     )

@@ -42,6 +42,12 @@ _log = logging.getLogger(__name__)
 #: tokens up to float rounding; ``per_call`` is the reference that the equality test and
 #: ``benchmarks/study_run.py`` run beside ``merged``.
 DECODE_LAYOUT = "merged"
+#: How a ``sampled``-lag batch's behaviour versions are decoded: ``"per_version"`` (one call per
+#: version, its groups padded to a power of two) or ``"vmapped"`` (one ``vmap``'d call on an
+#: engine that ``merges_rows``: every version's groups padded to the largest and the version axis
+#: to a power of two). Both draw every row with the same key. ``per_version`` decodes fewer
+#: rows; on a CPU the padding makes ``vmapped`` slower (``benchmarks/study_run.py``).
+VERSIONS_LAYOUT = "per_version"
 #: Rows per merged evaluation call (rounded down to whole groups; one compiled shape).
 EVAL_ROWS_PER_CALL = 1024
 
@@ -97,6 +103,12 @@ class RolloutEngine:
         return (
             DECODE_LAYOUT == "merged" and isinstance(sampler, Sampler) and not sampler.router_noise
         )
+
+    @property
+    def vmaps_versions(self) -> bool:
+        """Whether a sampled-lag batch's versions are decoded in one ``vmap``'d call
+        (``VERSIONS_LAYOUT == "vmapped"`` on an engine that ``merges_rows``)."""
+        return VERSIONS_LAYOUT == "vmapped" and self.merges_rows
 
     def generate_versions(self, params, example_sets, keys, versions) -> list[SampleOutput]:
         """``generate(params[i], example_sets[i], keys[i], versions[i])`` for every i, as one

@@ -107,7 +107,7 @@ class ScheduledRollouts:
     ``rng.key(seed, "rollout", j, process, version)``, padded with repeats of its last group to
     a power of two (so the engine compiles for at most log₂ of the prompts per step + 1 batch
     sizes; the repeats are dropped), and the batch is reassembled in prompt order. Each token's
-    version is the version of the snapshot that decoded it. An engine that ``merges_rows``
+    version is the version of the snapshot that decoded it. An engine that ``vmaps_versions``
     decodes the versions' batches (each padded to the largest, their number to a power of two)
     in one ``vmap``'d call, each with its own snapshot and key; otherwise each is its own
     decode. ``rollout/versions`` logs the number of distinct versions in the batch.
@@ -183,7 +183,7 @@ class ScheduledRollouts:
         distinct = [int(v) for v in np.unique(versions)]
         groups = [np.flatnonzero(versions == v) for v in distinct]
         sizes = [min(1 << int(len(g) - 1).bit_length(), n) for g in groups]
-        merged = self.engine.merges_rows
+        merged = self.engine.vmaps_versions
         if merged:  # one vmap'd decode: every version's batch padded to the largest
             sizes = [max(sizes)] * len(sizes)
         chosen = [

@@ -157,10 +157,40 @@ class Grid:
     #: The grid's seeds are first_seed, first_seed + 1, ...: a study re-run on seeds it did not
     #: use, or phase 1 on seeds its calibration did not choose a setting on.
     first_seed: int = 0
+    #: ``(method, lags)`` pairs: the arms run at their own lags rather than ``lags`` (a protocol
+    #: whose low-staleness reference runs only some arms).
+    arm_lags: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: ``(method, seeds)`` pairs: the arms run on their own number of seeds, from ``first_seed``
+    #: (a protocol that gives its primary comparison more seeds than the other arms).
+    arm_seeds: tuple[tuple[str, int], ...] = ()
+    #: The lag at which the primary comparison is the plain paired difference treatment − control
+    #: (study 2); None: the comparison is the interaction between the lowest and highest lag.
+    primary_lag: int | None = None
 
     @property
     def seed_range(self) -> range:
         return range(self.first_seed, self.first_seed + self.seeds)
+
+    def lags_of(self, method: str) -> tuple[int, ...]:
+        """The lags ``method`` runs at: its own (``arm_lags``) or the grid's."""
+        return dict(self.arm_lags).get(method, self.lags)
+
+    def seeds_of(self, method: str) -> range:
+        """The seeds ``method`` runs on: its own count (``arm_seeds``) from ``first_seed``, or the
+        grid's."""
+        return range(
+            self.first_seed, self.first_seed + dict(self.arm_seeds).get(method, self.seeds)
+        )
+
+    @property
+    def all_lags(self) -> tuple[int, ...]:
+        """Every lag some method of the grid runs at, ascending."""
+        return tuple(sorted({lag for m in self.methods for lag in self.lags_of(m)}))
+
+    @property
+    def max_seeds(self) -> int:
+        """The most seeds any method of the grid runs on."""
+        return max(len(self.seeds_of(m)) for m in self.methods)
 
 
 GRIDS: dict[str, Grid] = {
@@ -216,6 +246,10 @@ def stale_grid(
     settings: Sequence[str] = (),
     lag_mode: str | None = None,
     first_seed: int = 0,
+    arm_loss: Mapping[str, Mapping[str, Any]] | None = None,
+    arm_lags: Mapping[str, Sequence[int]] | None = None,
+    arm_seeds: Mapping[str, int] | None = None,
+    primary_lag: int | None = None,
 ) -> Grid:
     """The staleness study's grid: ``arms`` × ``lags`` × ``seeds`` on the ``preset`` base run,
     paired on seed.
@@ -228,10 +262,18 @@ def stale_grid(
     ``lag_mode`` after calibration, and the study file's ``stale`` grid
     (``configs/studies/stale.py``) is then this function at those values.
 
+    A protocol whose arms differ (study 2, ``configs/studies/stale2.py``) gives ``arm_loss``
+    (arm -> ``config.loss`` fields over the tight ε: a calibrated constant), ``arm_lags`` (arm
+    -> its own lags, a subset of ``lags``), ``arm_seeds`` (arm -> its own number of seeds, at
+    most ``seeds``) and ``primary_lag`` (the lag at which ``primary`` is a plain paired
+    difference, :func:`sat_jax.study.stats.difference_tests`, rather than a lag interaction).
+
     Raises:
       ValueError: an unknown arm or preset, a baseline or primary arm not among the arms,
         seeds < 1, a negative ``first_seed``, no lags, ``tight_eps`` outside (0, 1), a setting
-        that names a field the grid sets itself, an unknown lag mode.
+        that names a field the grid sets itself, an unknown lag mode; a per-arm entry for an
+        arm not in ``arms``, lags outside ``lags``, a seed count outside [1, seeds], a
+        ``primary_lag`` without ``primary`` or at which a primary arm does not run.
     """
     arms = tuple(arms)
     unknown = [a for a in arms if a not in METHODS]
@@ -257,7 +299,44 @@ def stale_grid(
             raise ValueError(f"stale grid: setting {item!r} names a field the grid sets")
     if lag_mode is not None and lag_mode not in LAG_MODES:
         raise ValueError(f"stale grid: lag_mode must be one of {LAG_MODES}, got {lag_mode!r}")
-    eps = (("eps_low", float(tight_eps)), ("eps_high", float(tight_eps)))
+    arm_loss, arm_lags, arm_seeds = (
+        dict(arm_loss or {}),
+        dict(arm_lags or {}),
+        dict(arm_seeds or {}),
+    )
+    for what, table in (("arm_loss", arm_loss), ("arm_lags", arm_lags), ("arm_seeds", arm_seeds)):
+        strays = sorted(set(table) - set(arms))
+        if strays:
+            raise ValueError(f"stale grid: {what} names {strays}, not among the arms {arms}")
+    for arm, own in arm_lags.items():
+        own = tuple(int(v) for v in own)
+        if not own or not set(own) <= set(int(v) for v in lags) or len(set(own)) != len(own):
+            raise ValueError(
+                f"stale grid: arm_lags[{arm!r}] must be distinct lags among {list(lags)}, got "
+                f"{list(own)}"
+            )
+        arm_lags[arm] = own
+    for arm, n in arm_seeds.items():
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= seeds:
+            raise ValueError(
+                f"stale grid: arm_seeds[{arm!r}] must be an int in [1, {seeds}], got {n!r}"
+            )
+    if primary_lag is not None:
+        if primary is None:
+            raise ValueError("stale grid: primary_lag needs a primary comparison")
+        for arm in primary:
+            if int(primary_lag) not in arm_lags.get(arm, tuple(int(v) for v in lags)):
+                raise ValueError(
+                    f"stale grid: primary arm {arm!r} does not run at primary_lag {primary_lag}"
+                )
+    eps = {"eps_low": float(tight_eps), "eps_high": float(tight_eps)}
+    # The tight ε goes to the tight-clip arms only (the stabilizers' own knobs are their
+    # METHOD_LOSS defaults, at the base's ε); then each arm's calibrated constants.
+    fields = {
+        a: {**(eps if "eps_low" in METHOD_LOSS.get(a, {}) else {}), **arm_loss.get(a, {})}
+        for a in arms
+    }
+    method_loss = tuple((a, tuple(f.items())) for a, f in fields.items() if f)
     return Grid(
         "stale",
         arms,
@@ -268,11 +347,14 @@ def stale_grid(
         "the matched-step control (a uniformly tighter clip), at lag 1 and a high lag",
         primary=None if primary is None else tuple(primary),
         preset=preset,
-        method_loss=tuple((a, eps) for a in arms if a in METHOD_LOSS),
+        method_loss=method_loss,
         settings=tuple(settings),
         lag_mode=lag_mode,
         seed_major=True,
         first_seed=first_seed,
+        arm_lags=tuple(arm_lags.items()),
+        arm_seeds=tuple(arm_seeds.items()),
+        primary_lag=None if primary_lag is None else int(primary_lag),
     )
 
 
@@ -445,7 +527,8 @@ def resolve(
     baseline: str | None = None,
     preset: str | None = None,
 ) -> Grid:
-    """The named grid with the command line's choices applied, checked.
+    """The named grid with the command line's choices applied, checked. ``seeds`` and ``lags``
+    apply to every method (they replace the arms' own ``arm_seeds`` and ``arm_lags``).
 
     Raises:
       ValueError: unknown grid, method or preset, seeds < 1, no lags, a baseline not in the
@@ -460,11 +543,11 @@ def resolve(
     if seeds is not None:
         if int(seeds) < 1:
             raise ValueError(f"--seeds must be >= 1, got {seeds}")
-        changes["seeds"] = int(seeds)
+        changes["seeds"], changes["arm_seeds"] = int(seeds), ()
     if lags is not None:
         if not lags or any(int(v) < 0 for v in lags):
             raise ValueError(f"--lags must be non-negative integers, got {list(lags)}")
-        changes["lags"] = tuple(int(v) for v in lags)
+        changes["lags"], changes["arm_lags"] = tuple(int(v) for v in lags), ()
     if lrs is not None:
         changes["lrs"] = tuple(float(v) for v in lrs)
     if methods is not None:
@@ -527,9 +610,9 @@ def expand(
     lag_mode = lag_mode or grid.lag_mode or "broadcast"
     out = []
     method_loss = {m: dict(fields) for m, fields in grid.method_loss}
-    for method, lag in itertools.product(grid.methods, grid.lags):
-        for lr_choice in grid.lrs or (None,):
-            for seed in grid.seed_range:
+    for method in grid.methods:
+        for lag, lr_choice in itertools.product(grid.lags_of(method), grid.lrs or (None,)):
+            for seed in grid.seeds_of(method):
                 c = method_config(method, grid.preset, method_loss.get(method))
                 for item in (*grid.settings, *overrides):
                     apply_override(c, item)

@@ -270,14 +270,26 @@ def _markdown(
         "## Grid",
         "",
         f"- methods: {', '.join(_label(m) + f' (`{m}`)' for m in grid.methods)}",
-        f"- lags ({lag_mode}): {', '.join(map(str, grid.lags))}; learning rates: "
+        f"- lags ({lag_mode}): {', '.join(map(str, grid.all_lags))}"
+        + "".join(
+            f"; {_label(m)} at {', '.join(map(str, grid.lags_of(m)))} only"
+            for m in grid.methods
+            if grid.lags_of(m) != grid.all_lags
+        )
+        + "; learning rates: "
         + (
             ", ".join(f"{v:g}" for v in grid.lrs)
             if grid.lrs
             else "the config's (" + ", ".join(sorted({f"{r['lr']:g}" for r in rows})) + ")"
         ),
-        f"- seeds: {grid.first_seed} … {grid.seed_range[-1]} ({grid.seeds}); baseline of the "
-        f"paired differences: {_label(grid.baseline)}",
+        f"- seeds: {grid.first_seed} … {grid.first_seed + grid.max_seeds - 1} "
+        f"({grid.max_seeds})"
+        + "".join(
+            f"; {_label(m)} on {grid.seeds_of(m)[0]} … {grid.seeds_of(m)[-1]}"
+            for m in grid.methods
+            if len(grid.seeds_of(m)) != grid.max_seeds
+        )
+        + f"; baseline of the paired differences: {_label(grid.baseline)}",
         f"- config overrides (every run): {', '.join(f'`{o}`' for o in overrides) or 'none'}",
         _pairing_line(rows),
         "",
@@ -336,7 +348,9 @@ def _markdown(
         ),
         "",
     ]
-    if grid.primary:
+    if grid.primary and grid.primary_lag is not None:
+        lines += _difference_section(rows, *grid.primary, grid.primary_lag)
+    elif grid.primary:
         lines += _primary_section(rows, *grid.primary)
     pairs = stats.paired_rows(rows, grid.baseline)
     if pairs:
@@ -434,21 +448,7 @@ def _primary_section(rows, treatment: str, control: str) -> list[str]:
         "Endpoint **tail20**: held-out pass@1 averaged over the last 20% of evaluations. "
         f"Collapse: {stats.SUSTAINED_RULE.describe()}.",
         "",
-        tables.markdown_table(
-            ["arm", "lag", "lr", "n", "tail20 (mean ± sd)", "collapses", "collapse steps"],
-            [
-                [
-                    _label(a["method"]),
-                    a["lag"],
-                    f"{a['lr']:g}",
-                    a["n"],
-                    tables.fmt_pm(a["tail20"], a["tail20_sd"]),
-                    f"{a['collapses']}/{a['n']}",
-                    ", ".join(map(str, a["collapse_steps"])) or "–",
-                ]
-                for a in stats.arm_summary(rows)
-            ],
-        ),
+        _arm_table(rows),
         "",
         f"**Primary test**: the interaction ({t} − {c} at the high lag) − ({t} − {c} at the low "
         "lag), per seed, on tail20: mean, paired 95% t interval, seeds > 0, and the exact "
@@ -486,6 +486,74 @@ def _primary_section(rows, treatment: str, control: str) -> list[str]:
                 "Wilcoxon p",
                 "collapse only arm / only control, low lag",
                 "collapse only arm / only control, high lag",
+            ],
+            table,
+        ),
+        "",
+    ]
+    return lines
+
+
+def _arm_table(rows) -> str:
+    """Per arm: seeds, tail20 mean ± sd, sustained collapses and their steps."""
+    return tables.markdown_table(
+        ["arm", "lag", "lr", "n", "tail20 (mean ± sd)", "collapses", "collapse steps"],
+        [
+            [
+                _label(a["method"]),
+                a["lag"],
+                f"{a['lr']:g}",
+                a["n"],
+                tables.fmt_pm(a["tail20"], a["tail20_sd"]),
+                f"{a['collapses']}/{a['n']}",
+                ", ".join(map(str, a["collapse_steps"])) or "–",
+            ]
+            for a in stats.arm_summary(rows)
+        ],
+    )
+
+
+def _difference_section(rows, treatment: str, control: str, lag: int) -> list[str]:
+    """The pre-registered tests of a protocol whose primary comparison is a paired difference at
+    one lag (docs/results/stale2/PROTOCOL.md): the arm table, treatment − control and treatment
+    − each other arm at that lag, McNemar on collapses."""
+    t, c = _label(treatment), _label(control)
+    lines = [
+        "## Pre-registered tests",
+        "",
+        "Endpoint **tail20**: held-out pass@1 averaged over the last 20% of evaluations. "
+        f"Collapse: {stats.SUSTAINED_RULE.describe()}.",
+        "",
+        _arm_table(rows),
+        "",
+        f"**Primary test**: {t} − {c} at lag {lag}, per seed, on tail20: mean, paired 95% t "
+        "interval, seeds above 0, and the exact Wilcoxon signed-rank p. "
+        f"{t} − each other arm at the same lag is secondary, as are the exact McNemar tests of "
+        "collapse.",
+        "",
+    ]
+    try:
+        tests = stats.difference_tests(rows, treatment, control, lag)
+    except ValueError as e:
+        return [*lines, f"Not computed yet: {e}.", ""]
+    table = [
+        [
+            ("**" + _label(e["method"]) + "** (primary)") if e["primary"] else _label(e["method"]),
+            f"{e['lr']:g}",
+            tables.fmt_paired(e["diff"]),
+            _p(e["diff"]["wilcoxon"]),
+            f"{e['mcnemar']['b']}/{e['mcnemar']['c']}, p {_p(e['mcnemar'])}",
+        ]
+        for e in tests
+    ]
+    lines += [
+        tables.markdown_table(
+            [
+                "against",
+                "lr",
+                f"{t} − arm, tail20 [95% CI]",
+                "Wilcoxon p",
+                f"collapse only {t} / only arm",
             ],
             table,
         ),

@@ -619,6 +619,53 @@ def primary_tests(
     return out
 
 
+def difference_tests(
+    rows: Sequence[Mapping[str, Any]],
+    treatment: str,
+    control: str,
+    lag: int,
+    *,
+    key: str = "tail20",
+) -> list[dict[str, Any]]:
+    """Per learning rate, at ``lag``: ``treatment`` minus ``control`` (first, ``primary`` True)
+    and minus each other method of ``rows``, paired on seed on ``key`` (:func:`paired`, with
+    ``wilcoxon``, :func:`wilcoxon_signed_rank` of the differences), and the exact McNemar test of
+    sustained collapse (``collapse_step`` set) between the two. The primary test of a protocol
+    whose staleness differs within a batch (study 2), where no low-lag contrast is needed.
+
+    Raises:
+      ValueError: ``treatment`` or ``control`` has no run at ``lag``.
+    """
+    at_lag = [r for r in rows if int(r["lag"]) == int(lag)]
+    present = {r["method"] for r in at_lag}
+    missing = [m for m in (treatment, control) if m not in present]
+    if missing:
+        raise ValueError(f"difference tests: no run of {missing} at lag {lag}")
+    others = [
+        m for m in dict.fromkeys(r["method"] for r in at_lag) if m not in (treatment, control)
+    ]
+    out = []
+    for lr in sorted({float(r["lr"]) for r in at_lag}):
+        for other in (control, *others):
+            x = by_seed(at_lag, treatment, lag, lr, key)
+            y = by_seed(at_lag, other, lag, lr, key)
+            diff = paired(x, y)
+            diff["wilcoxon"] = wilcoxon_signed_rank([x[s] - y[s] for s in diff["seeds"]])
+            out.append(
+                {
+                    "method": other,
+                    "primary": other == control,
+                    "lr": lr,
+                    "lag": int(lag),
+                    "diff": diff,
+                    "mcnemar": mcnemar_exact(
+                        _collapsed(at_lag, treatment, lag, lr), _collapsed(at_lag, other, lag, lr)
+                    ),
+                }
+            )
+    return out
+
+
 def arm_summary(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per (method, lag, lr): seeds, tail20 mean ± sd, sustained collapses and their steps."""
     out = []

@@ -172,9 +172,12 @@ def test_short_sampled_lag_run_logs_the_same_metrics(tmp_path, monkeypatch):
     GSPO, not SAT: with a float32 engine every |log r| is rounding noise, and SAT's statistics
     rank that noise."""
 
-    def run(layout):
+    def run(layout, versions="per_version"):
         monkeypatch.setattr(rollout, "DECODE_LAYOUT", layout)
-        c = tiny(method_config("gspo", "stale_sort"), tmp_path / layout, tmp_path / "sft")
+        monkeypatch.setattr(rollout, "VERSIONS_LAYOUT", versions)
+        c = tiny(
+            method_config("gspo", "stale_sort"), tmp_path / f"{layout}-{versions}", tmp_path / "sft"
+        )
         c.num_steps = 4
         c.lag_mode, c.lag, c.lag_dist, c.lag_cap = "sampled", 2, "zipf", 3
         c.rollout.prompts_per_step = 6
@@ -185,10 +188,10 @@ def test_short_sampled_lag_run_logs_the_same_metrics(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rollout, "EVAL_ROWS_PER_CALL", 16)
     want_history, want_eval = run("per_call")
-    got_history, got_eval = run("merged")
     assert max(h["rollout/versions"] for h in want_history) >= 2
-    assert got_eval == pytest.approx(want_eval, abs=1e-6)
-    for got, want in zip(got_history, want_history, strict=True):
-        for name, value in want.items():
-            if not name.startswith(("time/", "throughput/")):
-                assert got[name] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), name
+    for got_history, got_eval in (run("merged"), run("merged", "vmapped")):
+        assert got_eval == pytest.approx(want_eval, abs=1e-6)
+        for got, want in zip(got_history, want_history, strict=True):
+            for name, value in want.items():
+                if not name.startswith(("time/", "throughput/")):
+                    assert got[name] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), name

@@ -112,7 +112,7 @@ class _FakeEngine:
     ``behavior_logp``, and each prompt's id into ``tokens``."""
 
     group_size = 2
-    merges_rows = False
+    vmaps_versions = False
 
     def __init__(self):
         self.calls = []

@@ -166,6 +166,64 @@ def test_the_stale_rerun_is_the_protocol_on_seeds_12_to_19(tmp_path):
         assert cb.workdir.endswith(b.name) and da == db
 
 
+def test_arms_run_at_their_own_lags_and_seeds_with_their_own_constants(tmp_path):
+    """A protocol whose arms differ (study 2): some arms only at the high lag, fewer seeds for the
+    secondary arms, a calibrated constant per arm; the tight ε goes to the tight clip only."""
+    g = study_grid.stale_grid(
+        ("gspo", "sat_gspo", "gspo_tight", "m2po_gspo", "age_clip_gspo"),
+        lags=(1, 8),
+        seeds=3,
+        first_seed=20,
+        baseline="gspo",
+        primary=("sat_gspo", "gspo_tight"),
+        primary_lag=8,
+        tight_eps=0.07,
+        preset="stale_sort",
+        arm_loss={"m2po_gspo": {"tau": 1e-4}, "age_clip_gspo": {"kappa": 0.3}},
+        arm_lags={"m2po_gspo": (8,), "age_clip_gspo": (8,)},
+        arm_seeds={"m2po_gspo": 2, "age_clip_gspo": 2},
+    )
+    runs = study_grid.expand(g, str(tmp_path))
+    want = [
+        (m, lag, seed)
+        for seed in (20, 21, 22)
+        for m in ("gspo", "sat_gspo", "gspo_tight", "m2po_gspo", "age_clip_gspo")
+        for lag in ((8,) if m in ("m2po_gspo", "age_clip_gspo") else (1, 8))
+        if seed < 22 or m not in ("m2po_gspo", "age_clip_gspo")
+    ]
+    assert [(s.method, s.lag, s.seed) for s, _ in runs] == want and len(want) == 22
+    assert g.all_lags == (1, 8) and g.max_seeds == 3 and list(g.seeds_of("m2po_gspo")) == [20, 21]
+    for spec, c in runs:
+        eps = 0.07 if spec.method == "gspo_tight" else 0.2
+        assert (c.loss.eps_low, c.loss.eps_high) == (eps, eps), spec.name
+        assert c.loss.get("tau") == (1e-4 if spec.method == "m2po_gspo" else None)
+        assert c.loss.get("kappa") == (0.3 if spec.method == "age_clip_gspo" else None)
+    # The command line's --seeds and --lags apply to every arm.
+    wide = study_grid.resolve(g, seeds=1, lags=(8,))
+    assert [(s.method, s.lag, s.seed) for s, _ in study_grid.expand(wide, str(tmp_path))] == [
+        (m, 8, 20) for m in g.methods
+    ]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(arm_lags={"nope": (8,)}), r"arm_lags names \['nope'\]"),
+        (dict(arm_lags={"grpo": (4,)}), r"arm_lags\['grpo'\] must be distinct lags among"),
+        (dict(arm_seeds={"grpo": 9}), r"arm_seeds\['grpo'\] must be an int in \[1, 8\]"),
+        (dict(arm_loss={"gspo": {"tau": 1.0}}), r"arm_loss names \['gspo'\]"),
+        (dict(primary=None, primary_lag=8), "primary_lag needs a primary comparison"),
+        (
+            dict(arm_lags={"sat_grpo": (1,)}, primary_lag=8),
+            "primary arm 'sat_grpo' does not run at primary_lag 8",
+        ),
+    ],
+)
+def test_stale_grid_refuses_bad_arm_entries(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        study_grid.stale_grid(**kwargs)
+
+
 def test_every_study_file_loads_and_its_grids_expand(tmp_path):
     """Each file under configs/studies/ defines grids named as its keys, which the protocol it
     belongs to names, and which resolve and expand into distinct runs; a bad file is refused."""
@@ -741,6 +799,33 @@ def test_pre_registered_section_tests_the_lag_interaction(tmp_path):
     md = open(out["md"]).read()
     assert "## Pre-registered tests" in md and "**SAT-GRPO** (primary)" in md
     assert "| SAT-GRPO | 8 | 0.0001 | 3 | 0.567 ± 0.115 | 0/3 | – |" in md
+
+
+def test_pre_registered_section_tests_the_difference_at_one_lag(tmp_path):
+    """A protocol whose primary comparison is a plain paired difference at one lag (study 2):
+    treatment − control first, then treatment − each other arm, at that lag only."""
+    finals = {
+        ("grpo", 1): [0.5, 0.6, 0.7],
+        ("grpo", 8): [0.4, 0.4, 0.5],
+        ("sat_grpo", 1): [0.5, 0.6, 0.8],
+        ("sat_grpo", 8): [0.5, 0.5, 0.7],
+    }
+    g, runs = _fake_study(tmp_path, finals)
+    g = dataclasses.replace(g, primary=("sat_grpo", "grpo"), primary_lag=8)
+    out = report.write(
+        str(tmp_path), g, runs, command="c", lag_mode="broadcast", overrides=[], plots=False
+    )
+    (e,) = stats.difference_tests(out["rows"], "sat_grpo", "grpo", 8)
+    # tail20 = final: sat8 − grpo8 = (0.1, 0.1, 0.2).
+    assert e["primary"] and e["method"] == "grpo" and e["lag"] == 8
+    assert e["diff"]["mean"] == pytest.approx(0.4 / 3) and e["diff"]["wins"] == 3
+    assert e["diff"]["wilcoxon"]["p"] == pytest.approx(2 / 8)
+    assert e["mcnemar"] == {"n": 3, "b": 0, "c": 0, "p": 1.0}
+    md = open(out["md"]).read()
+    assert "**Primary test**: SAT-GRPO − GRPO at lag 8" in md
+    assert "| **GRPO** (primary) | 0.0001 | +0.133 [-0.010, +0.277] (n=3, 3/3 up) | 0.25 |" in md
+    with pytest.raises(ValueError, match=r"no run of \['sat_grpo', 'grpo'\] at lag 4"):
+        stats.difference_tests(out["rows"], "sat_grpo", "grpo", 4)
 
 
 # --------------------------------------------------------------------------- shared train step
