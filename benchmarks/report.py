@@ -78,10 +78,11 @@ ABOUT = {
         "a reduced run of the staleness protocol (grid `stale` of `configs/studies/stale.py`, "
         "one arm and seed; study 1's "
         "fixed lag and study 2's sampled lag) with the per-call decode layout (evaluation in "
-        "training-shaped calls, one decode per behaviour version) and the merged one (large "
-        "evaluation calls of one shape, every version of a batch in one vmap'd decode), in "
-        "alternating runs: wall time, its phases (compile overlaps the others) and "
-        "`new_over_old` (merged over per-call wall time without the build; < 1: faster).",
+        "training-shaped calls), the merged one (large evaluation calls of one shape; the "
+        "default) and, for the sampled lag, the vmapped one (every version of a batch in one "
+        "vmap'd decode), one decode per behaviour version otherwise, in alternating runs: wall "
+        "time, its phases (compile overlaps the others), `new_over_old` (merged over per-call "
+        "wall time without the build; < 1: faster) and `vmapped_over_old`.",
     ),
     "device_checks": (
         "Accelerator: device against CPU",

@@ -228,7 +228,7 @@ def main() -> None:
                 for layout in layouts[1:]
             },
             "eval_max_abs_diff": _max_abs_diff(best["per_call"]["evals"], best["merged"]["evals"]),
-            "per_round": rounds,
+            **({"per_round": rounds} if args.rounds > 1 else {}),
         }
         if "vmapped" in best:
             out[setting]["vmapped"] = best["vmapped"]

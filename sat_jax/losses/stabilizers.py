@@ -492,10 +492,28 @@ def age_clip(
     _check_age(kappa, staleness)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
     age = _base.check_staleness(staleness, prep.mask).astype(jnp.float32)
+    return _age_objective(
+        prep,
+        _base.log_ratio(prep.logp, prep.behavior_logp),
+        age,
+        kappa=kappa,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=dual_clip,
+        aggregation=aggregation,
+        axis_name=axis_name,
+    )
+
+
+def _age_objective(
+    prep, log_ratio, age, *, kappa, eps_low, eps_high, dual_clip, aggregation, axis_name
+) -> _base.LossOutput:
+    """The clipped objective with ε shrunk by each token's ``age`` (:func:`_age_factor`), and the
+    age metrics."""
     factor = _age_factor(age, kappa)
     out = _clip_objective(
         prep,
-        _base.log_ratio(prep.logp, prep.behavior_logp),
+        log_ratio,
         eps_low=eps_low * factor,
         eps_high=eps_high * factor,
         dual_clip=dual_clip,
@@ -548,20 +566,17 @@ def age_clip_gspo(
         seq = jnp.sum(age, axis=1) / jnp.maximum(jnp.sum(prep.mask, axis=1), 1)
     else:
         seq = jnp.max(age, axis=1)  # masked lags are 0, and lags are ≥ 0
-    age = _per_token(seq, prep)
-    factor = _age_factor(age, kappa)
-    out = _clip_objective(
+    return _age_objective(
         prep,
         _sequence_log_ratio(prep, seq_log_ratio_cap),
-        eps_low=eps_low * factor,
-        eps_high=eps_high * factor,
+        _per_token(seq, prep),
+        kappa=kappa,
+        eps_low=eps_low,
+        eps_high=eps_high,
         dual_clip=None,
         aggregation=aggregation,
         axis_name=axis_name,
     )
-    metrics = dict(out.metrics)
-    metrics.update(_age_metrics(age, factor, eps_low, eps_high, prep.mask, axis_name))
-    return out._replace(metrics=metrics)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -443,13 +443,7 @@ def _primary_section(rows, treatment: str, control: str) -> list[str]:
     table, the lag interaction of each arm against the control, McNemar on collapses."""
     t, c = _label(treatment), _label(control)
     lines = [
-        "## Pre-registered tests",
-        "",
-        "Endpoint **tail20**: held-out pass@1 averaged over the last 20% of evaluations. "
-        f"Collapse: {stats.SUSTAINED_RULE.describe()}.",
-        "",
-        _arm_table(rows),
-        "",
+        *_tests_header(rows),
         f"**Primary test**: the interaction ({t} − {c} at the high lag) − ({t} − {c} at the low "
         "lag), per seed, on tail20: mean, paired 95% t interval, seeds > 0, and the exact "
         "Wilcoxon signed-rank p. The other arms get the same test against the control "
@@ -494,6 +488,19 @@ def _primary_section(rows, treatment: str, control: str) -> list[str]:
     return lines
 
 
+def _tests_header(rows) -> list[str]:
+    """The pre-registered tests' heading, endpoint and collapse rule, and the arm table."""
+    return [
+        "## Pre-registered tests",
+        "",
+        "Endpoint **tail20**: held-out pass@1 averaged over the last 20% of evaluations. "
+        f"Collapse: {stats.SUSTAINED_RULE.describe()}.",
+        "",
+        _arm_table(rows),
+        "",
+    ]
+
+
 def _arm_table(rows) -> str:
     """Per arm: seeds, tail20 mean ± sd, sustained collapses and their steps."""
     return tables.markdown_table(
@@ -519,13 +526,7 @@ def _difference_section(rows, treatment: str, control: str, lag: int) -> list[st
     − each other arm at that lag, McNemar on collapses."""
     t, c = _label(treatment), _label(control)
     lines = [
-        "## Pre-registered tests",
-        "",
-        "Endpoint **tail20**: held-out pass@1 averaged over the last 20% of evaluations. "
-        f"Collapse: {stats.SUSTAINED_RULE.describe()}.",
-        "",
-        _arm_table(rows),
-        "",
+        *_tests_header(rows),
         f"**Primary test**: {t} − {c} at lag {lag}, per seed, on tail20: mean, paired 95% t "
         "interval, seeds above 0, and the exact Wilcoxon signed-rank p. "
         f"{t} − each other arm at the same lag is secondary, as are the exact McNemar tests of "
