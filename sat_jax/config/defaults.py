@@ -183,6 +183,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.decay_steps = 0
     c.optim.num_minibatches = 1
     c.optim.updates_per_batch = 1
+    # Gradient accumulation: each update runs the model on this many micro-batches (memory for
+    # 1/k of the activations) and applies the update of the whole minibatch, every batch
+    # statistic of the objective over the whole minibatch (one more forward pass per
+    # micro-batch). 1 = off.
+    c.optim.micro_batches = 1
     # An update whose loss, gradient or step is NaN or infinite is not applied (logged as
     # optim/nonfinite_updates); this many training steps in a row with one stop the run.
     c.optim.max_nonfinite_steps = 3

@@ -136,6 +136,7 @@ def loss_spec(config) -> trainer.LossSpec:
         logprob_chunk=int(c.logprob_chunk) or None,
         prompt_group=int(config.rollout.group_size) if c.share_prompt else 1,
         decompose_mismatch=bool(config.log.decompose_mismatch),
+        micro_batches=int(config.optim.micro_batches),
     )
 
 
@@ -431,6 +432,16 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
     if (batch // mb) % n_dev:
         _fail(
             f"each minibatch ({batch // mb} sequences) must divide evenly over {n_dev} "
+            "batch shards (mesh data x fsdp)"
+        )
+    k = config.optim.micro_batches
+    group = g if config.loss.share_prompt else 1
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        _fail(f"optim.micro_batches must be an int >= 1 (1: off), got {k!r}")
+    if (batch // mb) % (k * group) or (batch // mb // k) % n_dev:
+        _fail(
+            f"optim.micro_batches={k}: each minibatch ({batch // mb} sequences) must split into "
+            f"{k} micro-batches of whole groups of {group}, each dividing evenly over {n_dev} "
             "batch shards (mesh data x fsdp)"
         )
 

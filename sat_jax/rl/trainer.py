@@ -28,6 +28,7 @@ can also be vmapped over a leading "run" axis of stacked states for many small s
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -79,6 +80,11 @@ class LossSpec:
     # Split log r into staleness log(π_θ/π_θv) and engine log(π_θv/μ) (one more forward, with
     # the behaviour version's parameters), each with the mismatch statistics.
     decompose_mismatch: bool = False
+    # k > 1: the step runs the model on k micro-batches of whole groups (memory ~1/k of the
+    # activations) and gives the update of the whole batch: every batch statistic of the
+    # objective (SAT's quantile, M2PO's selection, BAPO's bounds, the token-mean denominator)
+    # over the whole batch (``make_train_step``).
+    micro_batches: int = 1
 
     @property
     def needs_old(self) -> bool:
@@ -187,6 +193,116 @@ def policy_loss(
         metrics["loss/router_aux"] = aux["aux_loss"]
     metrics["loss/total"] = loss
     return loss, metrics
+
+
+def _split_micro(batch: RolloutBatch, k: int, group: int) -> RolloutBatch:
+    """``batch`` as k micro-batches stacked on a new leading axis: micro-batch i holds group
+    slots i, i + k, i + 2k, ... of ``group`` consecutive rows each (so a row-sharded batch gives
+    every device an equal share of every micro-batch, and groups stay whole)."""
+    b = batch.size
+    if b % (k * group):
+        raise ValueError(
+            f"micro_batches={k}: the batch of {b} sequences must split into {k} micro-batches "
+            f"of whole groups of {group}"
+        )
+
+    def split(field, x):
+        axis = RolloutBatch.batch_axis(field)
+        shape = x.shape[:axis] + (b // (k * group), k, group) + x.shape[axis + 1 :]
+        x = jnp.moveaxis(x.reshape(shape), axis + 1, 0)
+        return x.reshape(x.shape[: axis + 1] + (b // k,) + x.shape[axis + 3 :])
+
+    return RolloutBatch(**{f: split(f, getattr(batch, f)) for f in RolloutBatch.fields()})
+
+
+def _merge_micro(x: jax.Array, group: int) -> jax.Array:
+    """The inverse of :func:`_split_micro` for a per-row array ``[k, B/k, ...]`` -> ``[B, ...]``
+    in the batch's row order."""
+    k, rows = x.shape[:2]
+    x = x.reshape((k, rows // group, group) + x.shape[2:])
+    return jnp.moveaxis(x, 0, 1).reshape((k * rows,) + x.shape[3:])
+
+
+def micro_batched_loss(
+    params,
+    batch: RolloutBatch,
+    extra,
+    *,
+    graphdef,
+    spec: LossSpec,
+    prompt_width: int,
+    share: bool = False,
+    objective=None,
+    version=None,
+):
+    """``(loss, metrics), grads`` of :func:`policy_loss` over ``spec.micro_batches`` micro-batches
+    (:func:`_split_micro`), in two passes:
+
+    1. the model's per-token outputs (log π_θ, entropies, the behaviour and reference log-probs
+       when needed, routing flips) of each micro-batch in turn, without gradients;
+    2. the objective on the whole batch's per-token arrays, so that every batch statistic is the
+       whole batch's, and its gradient with respect to the per-token log-probs and entropies;
+       then, micro-batch by micro-batch, the model's vector-Jacobian product with those
+       cotangents, summed.
+
+    The loss, metrics and gradient of the objective are those of one batch (to float rounding);
+    the cost is one more forward pass of the policy per micro-batch. The model's Switch loss
+    (``spec.router_aux``) is the mean of the micro-batches' own, as other trainers that
+    accumulate gradients compute it."""
+    k, group = spec.micro_batches, max(spec.prompt_group, 1)
+    if objective is None:
+        objective = _batch_objective(spec, None)
+    micro = _split_micro(batch, k, group)
+
+    def outputs(p, mb):
+        logp, entropy, aux = _logprobs(graphdef, p, mb, spec, prompt_width, share)
+        return (logp, entropy, aux["aux_loss"]), aux["router_top_k"]
+
+    def first_pass(_, mb):
+        out = {}
+        (out["logp"], out["entropy"], out["aux_loss"]), top_k = outputs(params, mb)
+        out["flips"] = routing_flip_share(top_k, mb.routing, prompt_width)
+        if spec.needs_old:
+            out["old"] = _logprobs(graphdef, extra["old"], mb, spec, prompt_width, share)[0]
+        if spec.needs_ref:
+            out["ref"] = _logprobs(graphdef, extra["ref"], mb, spec, prompt_width, share)[0]
+        return None, jax.lax.stop_gradient(out)
+
+    _, per_micro = jax.lax.scan(first_pass, None, micro)
+    aux_loss = jnp.mean(per_micro.pop("aux_loss"))
+    local = {name: _merge_micro(v, group) for name, v in per_micro.items()}
+    fields = _loss_fields(batch, spec, version)
+
+    def whole(logp, entropy):
+        return objective({**local, "logp": logp, "entropy": entropy}, fields)
+
+    (loss, metrics), (g_logp, g_entropy) = jax.value_and_grad(whole, argnums=(0, 1), has_aux=True)(
+        local["logp"], local["entropy"]
+    )
+    cotangents = (_split_rows(g_logp, k, group), _split_rows(g_entropy, k, group))
+
+    def second_pass(total, inputs):
+        mb, ct_logp, ct_entropy = inputs
+        out, vjp, _ = jax.vjp(lambda p: outputs(p, mb), params, has_aux=True)
+        # The Switch loss enters the total as the mean over micro-batches.
+        ct_aux = jnp.asarray(1.0 / k if spec.router_aux else 0.0, out[2].dtype)
+        (grads,) = vjp((ct_logp, ct_entropy, ct_aux))
+        return jax.tree.map(jnp.add, total, grads), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, _ = jax.lax.scan(second_pass, zeros, (micro, *cotangents))
+    if spec.router_aux:
+        loss = loss + aux_loss
+        metrics["loss/router_aux"] = aux_loss
+    metrics["loss/total"] = loss
+    return (loss, metrics), grads
+
+
+def _split_rows(x: jax.Array, k: int, group: int) -> jax.Array:
+    """A per-row array ``[B, ...]`` as :func:`_split_micro` splits a batch: ``[k, B/k, ...]``."""
+    b = x.shape[0]
+    x = x.reshape((b // (k * group), k, group) + x.shape[1:])
+    return jnp.moveaxis(x, 1, 0).reshape((k, b // k) + x.shape[3:])
 
 
 def _batch_objective(spec: LossSpec, axis_name):
@@ -431,7 +547,27 @@ def make_train_step(
                 version=count,
             )
 
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        if spec.micro_batches > 1:
+            shards = math.prod(mesh.shape[a] for a in axes)
+            if (batch.size // spec.micro_batches) % shards:
+                raise ValueError(
+                    f"micro_batches={spec.micro_batches}: each micro-batch "
+                    f"({batch.size // spec.micro_batches} sequences) must divide evenly over "
+                    f"{shards} batch shards (mesh data x fsdp)"
+                )
+            (loss, metrics), grads = micro_batched_loss(
+                params,
+                batch,
+                extra,
+                graphdef=graphdef,
+                spec=spec,
+                prompt_width=prompt_width,
+                share=share,
+                objective=smap,
+                version=count,
+            )
+        else:
+            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         grads = _constrain(grads, shardings)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)

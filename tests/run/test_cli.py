@@ -80,6 +80,8 @@ INVALID = [
     ("optim.b2=1.0", "optim.b2 must be in [0, 1)"),
     ("optim.schedule=linear", "optim.schedule"),
     ("optim.num_minibatches=3", "must split into"),
+    ("optim.micro_batches=0", "optim.micro_batches must be an int >= 1 (1: off), got 0"),
+    ("optim.micro_batches=3", "optim.micro_batches=3: each minibatch"),
     ("sft.batch_size=0", "sft.batch_size >= 1"),
     ("eval.num_prompts=0", "eval.num_prompts must be >= 1"),
     ("checkpoint.max_to_keep=0", "checkpoint.max_to_keep must be >= 1"),
