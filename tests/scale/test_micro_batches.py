@@ -108,7 +108,8 @@ def test_micro_batches_give_the_update_of_one_batch(objective, model):
     batch = _fields(*model)
     want = _step(spec, batch)
     assert want[1]["optim/nonfinite"] == 0 and np.isfinite(want[1]["loss/total"])
-    for k in (2, 4):
+    # Four micro-batches where a statistic selects tokens (a quantile, a mask, a bound search).
+    for k in (2, 4) if objective in ("sat", "m2po", "bapo") else (2,):
         _assert_same(_step(dataclasses.replace(spec, micro_batches=k), batch), want)
 
 
