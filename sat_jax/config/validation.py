@@ -438,7 +438,7 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
     group = g if config.loss.share_prompt else 1
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         _fail(f"optim.micro_batches must be an int >= 1 (1: off), got {k!r}")
-    if (batch // mb) % (k * group) or (batch // mb // k) % n_dev:
+    if k > 1 and ((batch // mb) % (k * group) or (batch // mb // k) % n_dev):
         _fail(
             f"optim.micro_batches={k}: each minibatch ({batch // mb} sequences) must split into "
             f"{k} micro-batches of whole groups of {group}, each dividing evenly over {n_dev} "
