@@ -18,9 +18,8 @@ Per run it prints the wall time and its phases: ``build`` (data, model, cached w
 phases below, each of which includes its own), ``rollout_decode`` (compiled decoding),
 ``rollout_host`` (tokenising, scoring, batch assembly), ``train_step``, ``eval``, ``metrics``
 (the per-step statistics and logs) and ``other`` (the rest: publishing versions, checkpoints,
-plots). ``new_over_old`` is merged wall time over per-call wall time (``vmapped_over_old`` likewise),
-without ``build``, per
-setting (best round of each); below 1 the new layout is faster. ``eval_max_abs_diff`` is the
+plots). ``new_over_old`` is merged wall time over per-call wall time (``vmapped_over_old``
+likewise), without ``build``, per setting (best round of each); below 1 the new layout is faster. ``eval_max_abs_diff`` is the
 largest difference of a held-out metric between the layouts (the same keys draw the same
 tokens; a bfloat16 engine's rounding can move a rare token).
 
