@@ -19,9 +19,9 @@ phases below, each of which includes its own), ``rollout_decode`` (compiled deco
 ``rollout_host`` (tokenising, scoring, batch assembly), ``train_step``, ``eval``, ``metrics``
 (the per-step statistics and logs) and ``other`` (the rest: publishing versions, checkpoints,
 plots). ``new_over_old`` is merged wall time over per-call wall time (``vmapped_over_old``
-likewise), without ``build``, per setting (best round of each); below 1 the new layout is faster. ``eval_max_abs_diff`` is the
-largest difference of a held-out metric between the layouts (the same keys draw the same
-tokens; a bfloat16 engine's rounding can move a rare token).
+likewise), without ``build``, per setting (best round of each); below 1 the new layout is
+faster. ``eval_max_abs_diff`` is the largest difference of a held-out metric between the layouts
+(the same keys draw the same tokens; a bfloat16 engine's rounding can move a rare token).
 
 The warm-up is trained on the first run of a seed (600 supervised steps) and cached in
 ``~/.cache/sat_jax``; ``--sft-steps`` overrides it (the smoke run). From the repository root:
