@@ -492,6 +492,13 @@ def make_train_step(
     ``extra`` is a dict with ``"old"`` (behaviour-version parameters, when the spec needs a
     recompute) and ``"ref"`` (reference parameters, when ``kl_coef > 0``).
 
+    Staleness: each token's versions behind the trained parameters is ``version −
+    batch.versions`` (objectives that take ``staleness=``, the mismatch-by-staleness metrics).
+    ``step(..., version=)`` is the parameters' version in the caller's numbering, the numbering of
+    ``batch.versions`` (the learner passes its step: the version it publishes after the previous
+    step); without it, the count of applied updates (``state.step``), which is the same only with
+    one update per version and no refused update.
+
     Non-finite updates: when the loss, the gradient's norm or the update's norm is not finite,
     the step returns the input parameters, optimizer state and count unchanged, with
     ``metrics["optim/nonfinite"] = 1`` (0 otherwise).
@@ -523,7 +530,7 @@ def make_train_step(
     axes = batch_axes(mesh)
     objective = _batch_objective(spec, axes if axes else None)
 
-    def train(share, params, opt_state, count, batch, extra):
+    def train(share, params, opt_state, count, batch, extra, version):
         model_cfg = nnx.merge(graphdef, params).config
         check_mesh(model_cfg, mesh, batch=batch.size)
         shardings = param_shardings(model_cfg, mesh)
@@ -544,7 +551,7 @@ def make_train_step(
                 prompt_width=prompt_width,
                 share=share,
                 objective=smap,
-                version=count,
+                version=version,
             )
 
         if spec.micro_batches > 1:
@@ -564,7 +571,7 @@ def make_train_step(
                 prompt_width=prompt_width,
                 share=share,
                 objective=smap,
-                version=count,
+                version=version,
             )
         else:
             (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -600,7 +607,7 @@ def make_train_step(
     jitted = on_mesh(grouped)
     unshared = on_mesh(False) if grouped else jitted
 
-    def step(state: TrainState, batch, extra, *, share: bool | None = None):
+    def step(state: TrainState, batch, extra, *, share: bool | None = None, version=None):
         if share is None:
             # A traced batch (the step under vmap) cannot be checked, nor, without the other
             # processes agreeing, a batch spread over them: those run the plain program.
@@ -613,8 +620,9 @@ def make_train_step(
         if share and not grouped:
             raise ValueError("share=True needs a LossSpec with prompt_group > 1")
         fn = jitted if share else unshared
+        version = state.step if version is None else jnp.asarray(version, state.step.dtype)
         params, opt_state, count, metrics = fn(
-            state.params, state.opt_state, state.step, batch, extra
+            state.params, state.opt_state, state.step, batch, extra, version
         )
         return TrainState(params, opt_state, count), metrics
 
@@ -629,9 +637,10 @@ def make_train_step(
         state.step,
         batch,
         extra,
+        state.step,
     )
     step.lower = lambda state, batch, extra: jitted.lower(
-        state.params, state.opt_state, state.step, batch, extra
+        state.params, state.opt_state, state.step, batch, extra, state.step
     )
     return step
 

@@ -371,8 +371,9 @@ class _Session:
         self.history: list[dict[str, float]] = []
         self.eval_result = None
 
-    def update(self, rollout: Rollout) -> dict[str, float]:
-        """The optimizer updates of one batch (minibatches × updates_per_batch)."""
+    def update(self, rollout: Rollout, step: int) -> dict[str, float]:
+        """The optimizer updates of one batch (minibatches × updates_per_batch) at training step
+        ``step``, whose parameters are version ``step`` (the batch's versions count the same)."""
         extra = dict(rollout.behaviour)
         if self.parts.spec.needs_ref:
             extra["ref"] = self.ref_params
@@ -382,7 +383,7 @@ class _Session:
             for mb in rollout.batch.minibatches(o.num_minibatches):
                 share = trainer.shares_prompt(mb, self.parts.spec, self.config.data.max_prompt_len)
                 self.state, metrics = self.train_step(
-                    self.state, mb.shard(self.parts.mesh), extra, share=share
+                    self.state, mb.shard(self.parts.mesh), extra, share=share, version=step
                 )
                 updates.append(metrics)
         return combine_updates(parallel.to_host(updates))
@@ -592,7 +593,7 @@ def _train(
                     s.timer.add_compiled(rollout.compiled_seconds)
                     t1 = time.perf_counter()
                     with s.timer.compiled_section():
-                        train_metrics = s.update(rollout)
+                        train_metrics = s.update(rollout, step)
                     train_s = time.perf_counter() - t1
                     s.source.publish(step + 1, s.state.params)
                     s.record(step, rollout, train_metrics, train_s, time.perf_counter() - t0)
