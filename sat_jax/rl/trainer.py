@@ -620,6 +620,7 @@ def make_train_step(
         if share and not grouped:
             raise ValueError("share=True needs a LossSpec with prompt_group > 1")
         fn = jitted if share else unshared
+        step.calls["shared" if share else "plain"] += 1
         version = state.step if version is None else jnp.asarray(version, state.step.dtype)
         params, opt_state, count, metrics = fn(
             state.params, state.opt_state, state.step, batch, extra, version
@@ -628,6 +629,8 @@ def make_train_step(
 
     # The compiled program's handles, for tests and ahead-of-time compilation (``jitted`` is
     # the spec's program: prompts shared when ``prompt_group > 1``).
+    # How many times each program ran (shared prompts / plain), for tests and logs.
+    step.calls = {"shared": 0, "plain": 0}
     step._cache_size = lambda: jitted._cache_size() + (unshared._cache_size() if grouped else 0)
     step.jitted = jitted
     step.unshared = unshared
