@@ -35,7 +35,7 @@ def _before(owner, name, when):
     setattr(owner, name, patched)
 
 
-def _second_update(self, rollout):
+def _second_update(self, rollout, step):
     calls["update"] += 1
     return calls["update"] == 2
 

@@ -78,7 +78,7 @@ def test_sigterm_at_any_phase_ends_with_a_checkpoint(
             monkeypatch,
             learner._Session,
             "update",
-            lambda s, r: updates.append(1) or len(updates) == 2,
+            lambda s, r, step: updates.append(1) or len(updates) == 2,
         )
     elif phase == "eval":  # entering the closing evaluation (step 3; the one at 2 is periodic)
         _signal_before(monkeypatch, learner._Session, "evaluate", lambda s, step: step == 3)
