@@ -541,19 +541,14 @@ def make_train_step(
         )
         smap = jax.shard_map(objective, mesh=mesh, in_specs=P(axes), out_specs=(P(), P()))
 
-        def loss_fn(p):
-            return policy_loss(
-                p,
-                batch,
-                extra,
-                graphdef=graphdef,
-                spec=spec,
-                prompt_width=prompt_width,
-                share=share,
-                objective=smap,
-                version=version,
-            )
-
+        how = dict(
+            graphdef=graphdef,
+            spec=spec,
+            prompt_width=prompt_width,
+            share=share,
+            objective=smap,
+            version=version,
+        )
         if spec.micro_batches > 1:
             shards = math.prod(mesh.shape[a] for a in axes)
             if (batch.size // spec.micro_batches) % shards:
@@ -562,19 +557,11 @@ def make_train_step(
                     f"({batch.size // spec.micro_batches} sequences) must divide evenly over "
                     f"{shards} batch shards (mesh data x fsdp)"
                 )
-            (loss, metrics), grads = micro_batched_loss(
-                params,
-                batch,
-                extra,
-                graphdef=graphdef,
-                spec=spec,
-                prompt_width=prompt_width,
-                share=share,
-                objective=smap,
-                version=version,
-            )
+            (loss, metrics), grads = micro_batched_loss(params, batch, extra, **how)
         else:
-            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            (loss, metrics), grads = jax.value_and_grad(
+                lambda p: policy_loss(p, batch, extra, **how), has_aux=True
+            )(params)
         grads = _constrain(grads, shardings)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
         grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)

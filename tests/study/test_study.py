@@ -667,6 +667,15 @@ def test_markdown_table():
     )
 
 
+#: Per-seed final pass@1 of a fake envelope study, by (method, lag).
+FINALS = {
+    ("grpo", 1): [0.5, 0.6, 0.7],
+    ("grpo", 8): [0.4, 0.4, 0.5],
+    ("sat_grpo", 1): [0.5, 0.6, 0.8],
+    ("sat_grpo", 8): [0.5, 0.5, 0.7],
+}
+
+
 def _fake_study(tmp_path, finals):
     """A finished envelope study on disk: finals[(method, lag)] = per-seed final pass@1."""
     g = study_grid.resolve("envelope", seeds=3, lags=(1, 8), lrs=(1e-4,))
@@ -734,13 +743,7 @@ def test_the_runner_compresses_a_finished_log_and_a_longer_run_appends_to_it(tmp
 
 
 def test_results_files_from_a_fake_study(tmp_path):
-    finals = {
-        ("grpo", 1): [0.5, 0.6, 0.7],
-        ("grpo", 8): [0.4, 0.4, 0.5],
-        ("sat_grpo", 1): [0.5, 0.6, 0.8],
-        ("sat_grpo", 8): [0.5, 0.5, 0.7],
-    }
-    g, runs = _fake_study(tmp_path, finals)
+    g, runs = _fake_study(tmp_path, FINALS)
     out = report.write(
         str(tmp_path),
         g,
@@ -778,13 +781,7 @@ def test_results_files_from_a_fake_study(tmp_path):
 
 
 def test_pre_registered_section_tests_the_lag_interaction(tmp_path):
-    finals = {
-        ("grpo", 1): [0.5, 0.6, 0.7],
-        ("grpo", 8): [0.4, 0.4, 0.5],
-        ("sat_grpo", 1): [0.5, 0.6, 0.8],
-        ("sat_grpo", 8): [0.5, 0.5, 0.7],
-    }
-    g, runs = _fake_study(tmp_path, finals)
+    g, runs = _fake_study(tmp_path, FINALS)
     g = dataclasses.replace(g, primary=("sat_grpo", "grpo"))
     out = report.write(
         str(tmp_path), g, runs, command="c", lag_mode="broadcast", overrides=[], plots=False
@@ -804,13 +801,7 @@ def test_pre_registered_section_tests_the_lag_interaction(tmp_path):
 def test_pre_registered_section_tests_the_difference_at_one_lag(tmp_path):
     """A protocol whose primary comparison is a plain paired difference at one lag (study 2):
     treatment − control first, then treatment − each other arm, at that lag only."""
-    finals = {
-        ("grpo", 1): [0.5, 0.6, 0.7],
-        ("grpo", 8): [0.4, 0.4, 0.5],
-        ("sat_grpo", 1): [0.5, 0.6, 0.8],
-        ("sat_grpo", 8): [0.5, 0.5, 0.7],
-    }
-    g, runs = _fake_study(tmp_path, finals)
+    g, runs = _fake_study(tmp_path, FINALS)
     g = dataclasses.replace(g, primary=("sat_grpo", "grpo"), primary_lag=8)
     out = report.write(
         str(tmp_path), g, runs, command="c", lag_mode="broadcast", overrides=[], plots=False
