@@ -207,10 +207,8 @@ def _split_micro(batch: RolloutBatch, k: int, group: int) -> RolloutBatch:
         )
 
     def split(field, x):
-        axis = RolloutBatch.batch_axis(field)
-        shape = x.shape[:axis] + (b // (k * group), k, group) + x.shape[axis + 1 :]
-        x = jnp.moveaxis(x.reshape(shape), axis + 1, 0)
-        return x.reshape(x.shape[: axis + 1] + (b // k,) + x.shape[axis + 3 :])
+        axis = RolloutBatch.batch_axis(field)  # [k, ...] with the rows at their own axis
+        return jnp.moveaxis(_split_rows(jnp.moveaxis(x, axis, 0), k, group), 1, axis + 1)
 
     return RolloutBatch(**{f: split(f, getattr(batch, f)) for f in RolloutBatch.fields()})
 
@@ -341,9 +339,10 @@ def routing_flip_share(router_top_k, routing, prompt_width: int) -> jax.Array:
 def _loss_fields(batch: RolloutBatch, spec: LossSpec, version=None) -> dict[str, jax.Array]:
     """The per-sequence / per-token fields the objective reads (all with the batch on axis 0).
 
-    With ``version`` (the updates applied so far) it also holds each token's versions behind the
-    policy being trained, ``staleness = version − batch.versions``: the mismatch by staleness
-    bucket reads it for every objective, and an objective that takes ``staleness=`` gets it."""
+    With ``version`` (the parameters' version, in the numbering of ``batch.versions``) it also
+    holds each token's versions behind the policy being trained, ``staleness = version −
+    batch.versions``: the mismatch by staleness bucket reads it for every objective, and an
+    objective that takes ``staleness=`` gets it."""
     fields = {
         "response_mask": batch.response_mask,
         "behavior_logp": batch.behavior_logp,
