@@ -40,7 +40,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sat_jax import losses
+from sat_jax import losses, parallel
 from sat_jax.models.logprobs import token_logprobs
 from sat_jax.models.moe import routing_flips
 from sat_jax.models.sharding import check_mesh
@@ -607,7 +607,12 @@ def make_train_step(
             raise ValueError("share=True needs a LossSpec with prompt_group > 1")
         fn = jitted if share else unshared
         step.calls["shared" if share else "plain"] += 1
-        version = state.step if version is None else jnp.asarray(version, state.step.dtype)
+        # A host value, placed like the step count: replicated on the mesh as one global array
+        # (every process passes the same version), so the program's input types do not change.
+        if version is None:
+            version = state.step
+        elif not isinstance(version, jax.Array):
+            version = parallel.replicate(np.asarray(version, state.step.dtype), mesh)
         params, opt_state, count, metrics = fn(
             state.params, state.opt_state, state.step, batch, extra, version
         )
