@@ -129,6 +129,13 @@ _REPORT_ONLY = flags.DEFINE_boolean(
     "Write results.md, results.csv and the plots from the runs already in --out, training none "
     "(compare --grid): read a grid run elsewhere, or one run in parts (--methods, --lags).",
 )
+_COMPILE_CACHE = flags.DEFINE_string(
+    "compile_cache",
+    os.path.join("~", ".cache", "sat_jax", "xla"),
+    "Directory of JAX's persistent compilation cache (train, eval, compare --grid): later runs "
+    "load the programs an earlier one compiled. Empty: off. JAX_COMPILATION_CACHE_DIR, when "
+    "set, wins.",
+)
 _SHARE = flags.DEFINE_boolean(
     "share_compilation",
     True,
@@ -144,8 +151,16 @@ _COMMAND_FLAGS = {
         "coordinator_address",
         "num_processes",
         "process_id",
+        "compile_cache",
     ),
-    "eval": ("workdir", "multihost", "coordinator_address", "num_processes", "process_id"),
+    "eval": (
+        "workdir",
+        "multihost",
+        "coordinator_address",
+        "num_processes",
+        "process_id",
+        "compile_cache",
+    ),
     "config": ("workdir",),
     "plot": (),
     "compare": (
@@ -162,6 +177,7 @@ _COMMAND_FLAGS = {
         "set",
         "report_only",
         "share_compilation",
+        "compile_cache",
     ),
 }
 
@@ -216,6 +232,13 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def _enable_compile_cache() -> str | None:
+    """JAX's persistent compilation cache at ``--compile_cache`` (before anything compiles)."""
+    from sat_jax.run import compile_cache
+
+    return compile_cache.enable(_COMPILE_CACHE.value)
+
+
 def _config():
     config = _CONFIG.value
     if _WORKDIR.value:
@@ -265,6 +288,11 @@ def main(argv):
 
     if rest:
         return _fail(f"unexpected arguments {rest}")
+    if command in ("train", "eval"):
+        try:
+            _enable_compile_cache()
+        except (OSError, ValueError) as e:
+            return _fail(f"--compile_cache: {e}")
     from sat_jax import parallel
 
     parallel.maybe_initialize_distributed(
@@ -371,6 +399,11 @@ def compare_grid(rest: list[str]) -> int:
     out = _OUT.value
     if os.path.isfile(out):
         return _fail(f"--out {out!r} is a file; compare --grid needs a directory")
+    if not _REPORT_ONLY.value:
+        try:
+            _enable_compile_cache()
+        except (OSError, ValueError) as e:
+            return _fail(f"--compile_cache: {e}")
     try:
         lags = study_grid.parse_ints(_LAGS.value, "--lags") if _LAGS.value is not None else None
         lrs = study_grid.parse_floats(_LRS.value, "--lrs") if _LRS.value is not None else None
