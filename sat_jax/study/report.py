@@ -91,7 +91,7 @@ def provenance() -> dict[str, str]:
     }
 
 
-def _label(method: str) -> str:
+def label(method: str) -> str:
     return LABELS.get(method, method)
 
 
@@ -187,7 +187,7 @@ def _sat_partner(grid: Grid) -> str | None:
 
 
 def _envelope_titles(baseline: str, sat: str | None) -> dict[str, str]:
-    b, s = _label(baseline), _label(sat or "sat")
+    b, s = label(baseline), label(sat or "sat")
     return {
         "base_drop": f"{b}: final pass@1 change from lag 1",
         "sat_diff": f"{s} − {b}: final pass@1",
@@ -269,10 +269,10 @@ def _markdown(
         "",
         "## Grid",
         "",
-        f"- methods: {', '.join(_label(m) + f' (`{m}`)' for m in grid.methods)}",
+        f"- methods: {', '.join(label(m) + f' (`{m}`)' for m in grid.methods)}",
         f"- lags ({lag_mode}): {', '.join(map(str, grid.all_lags))}"
         + "".join(
-            f"; {_label(m)} at {', '.join(map(str, grid.lags_of(m)))} only"
+            f"; {label(m)} at {', '.join(map(str, grid.lags_of(m)))} only"
             for m in grid.methods
             if grid.lags_of(m) != grid.all_lags
         )
@@ -285,11 +285,11 @@ def _markdown(
         f"- seeds: {grid.first_seed} … {grid.first_seed + grid.max_seeds - 1} "
         f"({grid.max_seeds})"
         + "".join(
-            f"; {_label(m)} on {grid.seeds_of(m)[0]} … {grid.seeds_of(m)[-1]}"
+            f"; {label(m)} on {grid.seeds_of(m)[0]} … {grid.seeds_of(m)[-1]}"
             for m in grid.methods
             if len(grid.seeds_of(m)) != grid.max_seeds
         )
-        + f"; baseline of the paired differences: {_label(grid.baseline)}",
+        + f"; baseline of the paired differences: {label(grid.baseline)}",
         f"- config overrides (every run): {', '.join(f'`{o}`' for o in overrides) or 'none'}",
         _pairing_line(rows),
         "",
@@ -329,7 +329,7 @@ def _markdown(
             ],
             [
                 [
-                    _label(c["method"]),
+                    label(c["method"]),
                     c["lag"],
                     f"{c['lr']:g}",
                     c["n"],
@@ -355,7 +355,7 @@ def _markdown(
     pairs = stats.paired_rows(rows, grid.baseline)
     if pairs:
         lines += [
-            f"## Paired differences against {_label(grid.baseline)}",
+            f"## Paired differences against {label(grid.baseline)}",
             "",
             _paired_table(pairs),
             "",
@@ -371,7 +371,7 @@ def _markdown(
             "",
         ]
     if env is not None:
-        b, s = _label(grid.baseline), _label(sat or "")
+        b, s = label(grid.baseline), label(sat or "")
         lines += [
             "## Operating envelope (learning rate × lag)",
             "",
@@ -423,7 +423,7 @@ def _paired_table(entries) -> str:
         ["method", "lag", "lr", "Δ best pass@1 [95% CI]", "Δ final pass@1 [95% CI]"],
         [
             [
-                _label(p["method"]),
+                label(p["method"]),
                 p["lag"],
                 f"{p['lr']:g}",
                 tables.fmt_paired(p["best"]),
@@ -441,23 +441,32 @@ def _p(test: Mapping[str, Any]) -> str:
 def _primary_section(rows, treatment: str, control: str) -> list[str]:
     """The pre-registered tests (docs/results/stale/PROTOCOL.md): per-arm endpoint and collapse
     table, the lag interaction of each arm against the control, McNemar on collapses."""
-    t, c = _label(treatment), _label(control)
-    lines = [
+    t, c = label(treatment), label(control)
+    return [
         *_tests_header(rows),
         f"**Primary test**: the interaction ({t} − {c} at the high lag) − ({t} − {c} at the low "
         "lag), per seed, on tail20: mean, paired 95% t interval, seeds > 0, and the exact "
         "Wilcoxon signed-rank p. The other arms get the same test against the control "
         "(secondary, as are the exact McNemar tests of collapse against the control).",
         "",
+        interaction_table(rows, treatment, control),
+        "",
     ]
+
+
+def interaction_table(rows, treatment: str, control: str) -> str:
+    """Each arm of ``rows`` against ``control`` (:func:`stats.primary_tests`), ``treatment``
+    first and marked primary: its differences at the low and the high lag, their interaction
+    with the Wilcoxon p, and McNemar's collapse counts at each lag."""
+    c = label(control)
     table = []
     for e in stats.primary_tests(rows, treatment, control):
         lo, hi = e["lags"]
         table.append(
             [
-                ("**" + _label(e["method"]) + "** (primary)")
+                ("**" + label(e["method"]) + "** (primary)")
                 if e["primary"]
-                else _label(e["method"]),
+                else label(e["method"]),
                 f"{e['lr']:g}",
                 f"{lo} → {hi}",
                 tables.fmt_paired(e["diff_lo"]),
@@ -468,24 +477,20 @@ def _primary_section(rows, treatment: str, control: str) -> list[str]:
                 f"{e['mcnemar_hi']['b']}/{e['mcnemar_hi']['c']}, p {_p(e['mcnemar_hi'])}",
             ]
         )
-    lines += [
-        tables.markdown_table(
-            [
-                "arm",
-                "lr",
-                "lags",
-                f"− {c}, low lag",
-                f"− {c}, high lag",
-                "interaction [95% CI]",
-                "Wilcoxon p",
-                "collapse only arm / only control, low lag",
-                "collapse only arm / only control, high lag",
-            ],
-            table,
-        ),
-        "",
-    ]
-    return lines
+    return tables.markdown_table(
+        [
+            "arm",
+            "lr",
+            "lags",
+            f"− {c}, low lag",
+            f"− {c}, high lag",
+            "interaction [95% CI]",
+            "Wilcoxon p",
+            "collapse only arm / only control, low lag",
+            "collapse only arm / only control, high lag",
+        ],
+        table,
+    )
 
 
 def _tests_header(rows) -> list[str]:
@@ -496,18 +501,18 @@ def _tests_header(rows) -> list[str]:
         "Endpoint **tail20**: held-out pass@1 averaged over the last 20% of evaluations. "
         f"Collapse: {stats.SUSTAINED_RULE.describe()}.",
         "",
-        _arm_table(rows),
+        arm_table(rows),
         "",
     ]
 
 
-def _arm_table(rows) -> str:
+def arm_table(rows) -> str:
     """Per arm: seeds, tail20 mean ± sd, sustained collapses and their steps."""
     return tables.markdown_table(
         ["arm", "lag", "lr", "n", "tail20 (mean ± sd)", "collapses", "collapse steps"],
         [
             [
-                _label(a["method"]),
+                label(a["method"]),
                 a["lag"],
                 f"{a['lr']:g}",
                 a["n"],
@@ -524,7 +529,7 @@ def _difference_section(rows, treatment: str, control: str, lag: int) -> list[st
     """The pre-registered tests of a protocol whose primary comparison is a paired difference at
     one lag (docs/results/stale2/PROTOCOL.md): the arm table, treatment − control and treatment
     − each other arm at that lag, McNemar on collapses."""
-    t, c = _label(treatment), _label(control)
+    t, c = label(treatment), label(control)
     lines = [
         *_tests_header(rows),
         f"**Primary test**: {t} − {c} at lag {lag}, per seed, on tail20: mean, paired 95% t "
@@ -539,7 +544,7 @@ def _difference_section(rows, treatment: str, control: str, lag: int) -> list[st
         return [*lines, f"Not computed yet: {e}.", ""]
     table = [
         [
-            ("**" + _label(e["method"]) + "** (primary)") if e["primary"] else _label(e["method"]),
+            ("**" + label(e["method"]) + "** (primary)") if e["primary"] else label(e["method"]),
             f"{e['lr']:g}",
             tables.fmt_paired(e["diff"]),
             _p(e["diff"]["wilcoxon"]),
