@@ -112,9 +112,11 @@ def seq_mis(
 ) -> jax.Array:
     """Sequence importance weight min(Π_t ρ_t, C), zero outside [low, high]; ρ = μ̃/μ.
 
-    verl's sequence-level rollout correction (``rollout_is="sequence"`` with threshold C, and
-    ``rollout_rs="sequence"`` rejecting outside ``low``/``high``): the weight of Eq. (41) on the
-    whole response's ratio, computed in log space (the product never overflows). A rejected
+    verl's sequence-level rollout correction: ``rollout_is="sequence"`` with threshold C, and
+    ``rollout_rs="seq_sum_k1"`` with threshold ``"{1/high}_{1/low}"`` (it bounds −Σ log ρ; the
+    defaults are its ``"0.5_2.0"`` preset; the earlier ``rollout_rs="sequence"`` bounded Π ρ by
+    ``low``/``high`` directly): the weight of Eq. (41) on the whole response's ratio, computed in
+    log space with each token's log ρ clamped at ±20 (verl's weight clamps the sum). A rejected
     response keeps its tokens in the aggregation's denominator (a weight, like :func:`icepop`).
 
     Example:
@@ -144,9 +146,11 @@ def geo_rs(
 ) -> jax.Array:
     """Geometric-mean rejection: 1 unless exp(mean_t log ρ_t) ∉ [low, high]; ρ = μ̃/μ.
 
-    verl's ``rollout_rs="seq_mean_k1"`` band (its preset [0.999, 1.001]); bounds are compared in
-    log space, inclusive. A binary weight: pass ``mask & (geo_rs(...) > 0)`` as the objective's
-    mask to remove rejected responses from the denominator as verl does.
+    verl's ``rollout_rs="seq_mean_k1"`` with threshold ``"{1/high}_{1/low}"`` (it bounds
+    −mean log ρ; its ``"0.999_1.001"`` preset is the band [1/1.001, 1/0.999], within 1e-6 of the
+    default here); bounds are compared in log space, inclusive. A binary weight: pass
+    ``mask & (geo_rs(...) > 0)`` as the objective's mask to remove rejected responses from the
+    denominator as verl does.
 
     Example:
       >>> geo_rs(jnp.array([[0.0, 0.001], [0.01, 0.0]]), jnp.zeros((2, 2)),

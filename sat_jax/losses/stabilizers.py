@@ -117,7 +117,9 @@ def m2po(
 
     The mean is over every active token of the global batch (under ``axis_name``), the drop an
     exact threshold on M2 (``quantile.mean_bounded_keep``: tokens tied at the threshold are
-    kept or dropped together).
+    kept or dropped together). Dropped tokens stay in the aggregation's count. AReaL's
+    ``m2_threshold`` differs (per micro-batch, mean < τ, the kept tokens as the count):
+    docs/losses.md.
 
     Args:
       tau: τ > 0 (the paper's 0.04 throughout).
@@ -719,7 +721,9 @@ def decoupled_ppo(
     Args:
       prox_logp: ``[B, T]`` log π_prox, or None for A-3PO.
       staleness: ``[B, T]`` integer versions behind (required for A-3PO).
-      behav_weight_cap: optional cap on w (AReaL's ``behav_imp_weight_cap``); None: none.
+      behav_weight_cap: optional cap C, w = min(π_prox/μ, C): AReaL's ``token_truncate`` (now
+        ``rejection_sampling`` with ``action="clamp"``). AReaL's default ``token_mask`` (and its
+        early ``behav_imp_weight_cap``) zeroes w > C instead (docs/losses.md). None: no cap.
 
     Metrics: those of :func:`~sat_jax.losses.ppo` (clip fractions on u) plus
     ``decoupled/behav_weight_mean`` (mean w).

@@ -439,8 +439,10 @@ def test_hyperparameter_errors(name, kwargs, match):
 
 
 def test_cispo_gradient_is_the_clipped_weight_times_the_advantage():
-    """SkyRL/verl restate CISPO as −A·sg(clamp(r, 1 − ε_low, 1 + ε_high))·log π: its gradient
-    with respect to log π is −A·clamp(r), which ours must equal (the values differ by design)."""
+    """SkyRL (``compute_policy_loss_cispo``, r = exp(clip(log r, ±20))) and verl write CISPO as
+    −A·sg(clamp(r, 1 − ε_low, 1 + ε_high))·log π: its gradient with respect to log π is
+    −A·clamp(r), which ours must equal (the values differ by design). The edge-batch check
+    against SkyRL's restated loss is in test_peer_stabilizers.py."""
     r = np.array([[0.5, 0.9, 1.0, 1.3, 7.0]], np.float32)
     adv = np.array([[1.0, -1.0, 2.0, 1.0, -0.5]], np.float32)
     mask = np.ones_like(r, bool)
