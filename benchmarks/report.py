@@ -84,6 +84,16 @@ ABOUT = {
         "time, its phases (compile overlaps the others), `new_over_old` (merged over per-call "
         "wall time without the build; < 1: faster) and `vmapped_over_old`.",
     ),
+    "grid_cache": (
+        "A study grid with the persistent compilation cache",
+        "two runs of one arm of the staleness protocol (grid `stale`, GSPO at the fixed lag, seeds "
+        "4 and 5, reduced to `--steps` steps), one `sat-jax compare --grid` process per case: "
+        "`off` (no persistent cache: each run compiles what its process has not), `cold` (an "
+        "empty cache: the first run compiles and writes, the second loads) and `warm` (the same "
+        "cache from a new process: both runs load). Wall time per run; "
+        "`second_run_cold_over_off` (a grid's later runs), `first_run_warm_over_off` and "
+        "`total_warm_over_off` (< 1: faster); `eval_max_abs_diff` between `off` and `warm`.",
+    ),
     "device_checks": (
         "Accelerator: device against CPU",
         "the losses sharded over the real devices, the model's log-probs and the sampler's "
