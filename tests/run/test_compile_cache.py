@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from _tiny_models import TINY_RUN
 
 from sat_jax.run.metrics import read_metrics
 
@@ -78,25 +79,13 @@ def test_enable_refuses_a_file(tmp_path):
 
 
 def _train(tmp_path, workdir, cache, cache_dir):
+    fields = (*TINY_RUN, "num_steps=2", "lag=1", "sft.steps=3", "eval.every=2")
     args = [
         f"--workdir={workdir}",
         f"--compile_cache={cache}",
-        "--config.num_steps=2",
-        "--config.lag=1",
-        "--config.model.num_layers=1",
-        "--config.model.hidden_size=32",
-        "--config.model.num_experts=4",
-        "--config.model.num_experts_per_tok=2",
-        "--config.rollout.prompts_per_step=4",
-        "--config.rollout.group_size=4",
         f"--config.sft.cache_dir={cache_dir}",
-        "--config.sft.steps=3",
-        "--config.eval.every=2",
-        "--config.eval.num_prompts=8",
         "--config.log.progress=False",
-        "--config.log.plots=False",
-        "--config.log.tensorboard=False",
-        "--config.mesh.data=1",
+        *(f"--config.{f}" for f in fields),
     ]
     res = subprocess.run(
         [sys.executable, "-m", "sat_jax.cli", "train", *args],

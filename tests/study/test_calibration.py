@@ -1,22 +1,12 @@
 """Phase-0 manipulation checks (sat_jax/study/calibration.py) on hand-written results.csv rows."""
 
-import csv
 import json
 import math
 
 import pytest
+from _results_csv import write_results
 
 from sat_jax.study import calibration
-from sat_jax.study.report import CSV_COLUMNS
-
-
-def _write(d, rows):
-    d.mkdir(parents=True)
-    with open(d / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow(r)
 
 
 def _row(method, lag, lr, tail20, mismatch, q="", binding="", collapse="", **extra):
@@ -52,7 +42,7 @@ def test_checks_and_choice(tmp_path):
         _row("grpo", 1, 1e-3, 0.40, 0.05),
         _row("grpo", 8, 1e-3, 0.10, 0.12),
     ]
-    _write(tmp_path / "bf16", rows)
+    write_results(tmp_path / "bf16", rows)
     entries = calibration.checks(
         "bf16", calibration.read_rows(tmp_path / "bf16"), baseline="grpo", sat="sat_grpo"
     )
@@ -88,7 +78,9 @@ def test_choose_prefers_binding_then_the_lower_lr():
 
 
 def test_cli_writes_the_map_and_refuses_a_missing_study(tmp_path, capsys):
-    _write(tmp_path / "s", [_row("grpo", 1, 1e-4, 0.4, 0.01), _row("grpo", 8, 1e-4, 0.4, 0.02)])
+    write_results(
+        tmp_path / "s", [_row("grpo", 1, 1e-4, 0.4, 0.01), _row("grpo", 8, 1e-4, 0.4, 0.02)]
+    )
     out = tmp_path / "phase0.md"
     args = ["--baseline", "grpo", "--sat", "sat_grpo", "--out", str(out)]
     assert calibration.main([*args, str(tmp_path / "s")]) == 0
@@ -107,7 +99,7 @@ def test_cli_writes_the_map_and_refuses_a_missing_study(tmp_path, capsys):
 
 
 def test_read_rows_parses_empty_cells(tmp_path):
-    _write(tmp_path / "s", [_row("grpo", 1, 1e-4, "", 0.01)])
+    write_results(tmp_path / "s", [_row("grpo", 1, 1e-4, "", 0.01)])
     (r,) = calibration.read_rows(tmp_path / "s")
     assert math.isnan(r["tail20"]) and r["collapse_step"] is None and r["lag"] == 1
     with pytest.raises(FileNotFoundError):
@@ -123,7 +115,7 @@ def test_partial_runs_are_not_read_and_clip_fractions_are_shown(tmp_path):
         _row("grpo", 1, 3e-4, 0.40, 0.01),
         _row("grpo", 8, 3e-4, 0.10, 0.03, status="partial"),
     ]
-    _write(tmp_path / "s", rows)
+    write_results(tmp_path / "s", rows)
     read = calibration.read_rows(tmp_path / "s")
     assert len(read) == 4
     (e,) = calibration.checks("s", read, baseline="grpo", sat="sat_grpo")
@@ -150,7 +142,7 @@ def test_each_higher_lag_is_its_own_entry_against_the_lowest():
 def test_each_family_is_read_from_the_directories_that_hold_its_baseline(tmp_path, capsys):
     # One directory with GSPO and SAT-GSPO only, one with GRPO and SAT-GRPO only: each gives
     # the entries of its own family, and a family whose baseline a directory lacks gives none.
-    _write(
+    write_results(
         tmp_path / "gspo",
         [
             _row("gspo", 1, 3e-4, 0.70, 0.008),
@@ -158,7 +150,7 @@ def test_each_family_is_read_from_the_directories_that_hold_its_baseline(tmp_pat
             _row("sat_gspo", 8, 3e-4, 0.6, 0.030, 0.04, 0.045),
         ],
     )
-    _write(
+    write_results(
         tmp_path / "grpo",
         [
             _row("grpo", 1, 3e-4, 0.70, 0.008),
@@ -226,7 +218,7 @@ def test_several_seeds_are_averaged(tmp_path):
             [(0.7, 0.02, 0.03, 0.020), (0.7, 0.02, 0.03, 0.035), (0.7, 0.02, 0.03, 0.040)],
         ),
     ]
-    _write(tmp_path / "fixed", rows)
+    write_results(tmp_path / "fixed", rows)
     (e,) = calibration.checks(
         "fixed", calibration.read_rows(tmp_path / "fixed"), baseline="gspo", sat="sat_gspo"
     )
@@ -245,14 +237,14 @@ def test_several_seeds_are_averaged(tmp_path):
             r["tail20"] = 0.7
     for r in flat[3:5]:
         r["collapse_step"] = 150
-    _write(tmp_path / "collapse", flat)
+    write_results(tmp_path / "collapse", flat)
     (e,) = calibration.checks(
         "collapse", calibration.read_rows(tmp_path / "collapse"), baseline="gspo", sat="sat_gspo"
     )
     assert e["base_collapses"] == (0, 2) and e["harm"] is True
     # One of three is not enough.
     flat[4]["collapse_step"] = ""
-    _write(tmp_path / "one", flat)
+    write_results(tmp_path / "one", flat)
     (e,) = calibration.checks(
         "one", calibration.read_rows(tmp_path / "one"), baseline="gspo", sat="sat_gspo"
     )
@@ -267,7 +259,7 @@ def test_an_entry_reads_only_the_seeds_its_cells_share(tmp_path):
     rows += [_row("gspo", 8, 4e-5, t, 0.03, seed=s) for s, t in enumerate((0.69, 0.4, 0.5, 0.2))]
     rows += [_row("sat_gspo", 8, 4e-5, 0.5, 0.03, 0.04, b, seed=s) for s, b in enumerate((1, 2, 3))]
     rows += [_row("gspo", 16, 4e-5, 0.61, 0.058), _row("sat_gspo", 16, 4e-5, 0.6, 0.06, 0.07, 0.04)]
-    _write(tmp_path / "z", rows)
+    write_results(tmp_path / "z", rows)
     e8, e16 = calibration.checks(
         "z", calibration.read_rows(tmp_path / "z"), baseline="gspo", sat="sat_gspo"
     )
@@ -298,7 +290,7 @@ def test_heterogeneity_check_reads_the_age_buckets_where_logged(tmp_path):
         ]
 
     def entry(young, old, name):
-        _write(tmp_path / name, rows(young, old))
+        write_results(tmp_path / name, rows(young, old))
         (e,) = calibration.checks(
             name, calibration.read_rows(tmp_path / name), baseline="gspo", sat="sat_gspo"
         )

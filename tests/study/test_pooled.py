@@ -1,23 +1,16 @@
 """The pooled, exploratory analysis over study directories (sat_jax/study/pooled.py), on
 hand-written results.csv files."""
 
-import csv
-
 import pytest
+from _results_csv import write_results
 
 from sat_jax.study import pooled, stats
-from sat_jax.study.report import CSV_COLUMNS
 
 LR = 7e-5
 
 
 def _write(d, rows):
-    d.mkdir(parents=True)
-    with open(d / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(CSV_COLUMNS), extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({"status": "finished", "lag_mode": "fixed", "lr": LR, **r})
+    write_results(d, rows, status="finished", lag_mode="fixed", lr=LR)
 
 
 def _study(d, seeds, sat_gain):
