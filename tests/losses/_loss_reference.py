@@ -192,3 +192,16 @@ def mismatch(logp, beh, mask):
         "log_ratio_var": d.var(),
         "mismatch_max": np.abs(d).max(),
     }
+
+
+def central_difference(f, x, h=1e-6):
+    """``f(x)`` and the central finite-difference gradient of the scalar ``f`` at the float64
+    array ``x``: the gradient a peer's autograd would give its loss."""
+    x = np.asarray(x, np.float64)
+    g = np.zeros_like(x)
+    for idx in np.ndindex(*x.shape):
+        up, dn = x.copy(), x.copy()
+        up[idx] += h
+        dn[idx] -= h
+        g[idx] = (f(up) - f(dn)) / (2 * h)
+    return f(x), g

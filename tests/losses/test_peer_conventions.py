@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _loss_reference import central_difference
 from jax.sharding import PartitionSpec as P
 
 from sat_jax import losses
@@ -158,17 +159,7 @@ def verl_rs_token_k1(old, rollout, m, lower, upper):
 def peer_value_and_grad(per_token, agg, logp, m, h=1e-6):
     """Value and central finite-difference gradient of agg(per_token(logp, frozen=logp), m)."""
     logp = np.asarray(logp, np.float64)
-
-    def f(x):
-        return agg(per_token(x, logp), m)
-
-    g = np.zeros_like(logp)
-    for idx in np.ndindex(*logp.shape):
-        up, dn = logp.copy(), logp.copy()
-        up[idx] += h
-        dn[idx] -= h
-        g[idx] = (f(up) - f(dn)) / (2 * h)
-    return f(logp), g
+    return central_difference(lambda x: agg(per_token(x, logp), m), logp, h)
 
 
 # ----------------------------------------------------------------------------------------------

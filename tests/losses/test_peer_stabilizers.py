@@ -38,6 +38,7 @@ import chex
 import jax
 import numpy as np
 import pytest
+from _loss_reference import central_difference
 
 from sat_jax import losses
 
@@ -75,17 +76,7 @@ def _clean(logp, mask):
 def peer_value_and_grad(per_token, agg, logp, h=1e-6):
     """Value and central finite-difference gradient of agg(per_token(logp, frozen=logp))."""
     logp = np.asarray(logp, np.float64)
-
-    def f(x):
-        return agg(per_token(x, logp))
-
-    g = np.zeros_like(logp)
-    for idx in np.ndindex(*logp.shape):
-        up, dn = logp.copy(), logp.copy()
-        up[idx] += h
-        dn[idx] -= h
-        g[idx] = (f(up) - f(dn)) / (2 * h)
-    return f(logp), g
+    return central_difference(lambda x: agg(per_token(x, logp)), logp, h)
 
 
 def ours(fn, logp, beh, adv, mask, **kw):
