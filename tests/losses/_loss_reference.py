@@ -169,16 +169,9 @@ def loss(name, logp, beh, adv, mask, *, frozen=None, aggregation="token-mean", w
 def grad(name, logp, beh, adv, mask, h=1e-6, **kw):
     """Central finite differences of ``loss`` in logp, detached parts held at ``logp``."""
     logp = np.asarray(logp, np.float64)
-    g = np.zeros_like(logp)
-    for idx in np.ndindex(*logp.shape):
-        plus, minus = logp.copy(), logp.copy()
-        plus[idx] += h
-        minus[idx] -= h
-        g[idx] = (
-            loss(name, plus, beh, adv, mask, frozen=logp, **kw)
-            - loss(name, minus, beh, adv, mask, frozen=logp, **kw)
-        ) / (2 * h)
-    return g
+    return central_difference(lambda x: loss(name, x, beh, adv, mask, frozen=logp, **kw), logp, h)[
+        1
+    ]
 
 
 def mismatch(logp, beh, mask):
