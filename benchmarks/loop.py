@@ -20,7 +20,10 @@ its own rollout batches (128 sequences × 13 tokens), interleaved, medians:
 * ``train_step_ms``: the compiled step itself; ``step_overhead_ms`` = it minus loss_and_grad and
   optimizer (norms, sharding constraints, output copies);
 * ``host_to_device_ms`` (placing a host batch on the mesh) and ``metrics_to_host_ms`` (the
-  step's metrics as floats, which waits for the step).
+  step's metrics as floats, which waits for the step);
+* ``objective_step_ms``: the whole compiled train step with each of PPO, SAT, GSPO and SAT-GSPO
+  as the objective (ε as the run's), on the same batch and state; ``sat_step_over_ppo`` and
+  ``sat_gspo_step_over_gspo`` are medians of the per-round ratios.
 
 Beside tunix: ``--tunix-python PYTHON`` runs ``benchmarks/peers/tunix_grpo.py`` (override with
 ``--tunix-script``) with that interpreter (a venv with ``google-tunix``; never the project's own,
@@ -36,6 +39,7 @@ Run from the repository root: ``PYTHONPATH=$PWD python benchmarks/loop.py [--ste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -120,6 +124,24 @@ def _interleaved(fns: dict, repeats: int) -> dict[str, np.ndarray]:
     return {k: np.array(v) for k, v in rounds.items()}
 
 
+#: The objectives whose whole train step is timed on the same batch (``objective_step_ms``).
+OBJECTIVES = ("ppo", "sat", "gspo", "sat_gspo")
+
+
+def _objective_step(parts, spec, name, pw, state, batch, extra, share):
+    """A thunk running the compiled train step of ``spec`` with objective ``name`` (ε as the
+    run's) on ``batch``."""
+    eps = tuple((k, v) for k, v in spec.objective_kwargs if k in ("eps_low", "eps_high"))
+    kwargs = spec.objective_kwargs if name == spec.objective else eps
+    s = dataclasses.replace(spec, objective=name, objective_kwargs=kwargs)
+    step = trainer.make_train_step(
+        parts.graphdef, parts.optimizer, s, prompt_width=pw, mesh=parts.mesh
+    )
+    compiled = (step.jitted if share else step.unshared).lower(*step.args(state, batch, extra))
+    compiled = compiled.compile()
+    return lambda: compiled(*step.args(state, batch, extra))
+
+
 def breakdown(workdir: str, lag: int, repeats: int) -> dict:
     """The default run's train step in separately jitted pieces, on one of its rollout batches."""
     c = _config(workdir, 1, "broadcast", lag)
@@ -175,6 +197,10 @@ def breakdown(workdir: str, lag: int, repeats: int) -> dict:
         for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd))
     }
     _, metrics = step(state, batch, extra)
+    objective_steps = {
+        name: _objective_step(parts, spec, name, pw, state, batch, extra, share)
+        for name in OBJECTIVES
+    }
     t = _interleaved(
         {
             "logprob_fwd": lambda: fwd(params, batch),
@@ -184,6 +210,7 @@ def breakdown(workdir: str, lag: int, repeats: int) -> dict:
             "train_step": lambda: compiled(*step.args(state, batch, extra)),
             "host_to_device": lambda: host_batch.shard(parts.mesh),
             "metrics_to_host": lambda: {k: float(v) for k, v in parallel.to_host(metrics).items()},
+            **{f"step_{name}": fn for name, fn in objective_steps.items()},
         },
         repeats,
     )
@@ -198,6 +225,10 @@ def breakdown(workdir: str, lag: int, repeats: int) -> dict:
         "logprob_bwd_over_fwd": round(float(np.median(bwd_rounds / t["logprob_fwd"])), 2),
         "loss_ms": round(float(np.median(t["loss_and_grad"] - t["logprob_fwd_bwd"]) * 1e3), 2),
         "step_overhead_ms": round(ms["train_step"] - ms["loss_and_grad"] - ms["optimizer"], 2),
+        "objective_step_ms": {name: round(ms[f"step_{name}"], 2) for name in OBJECTIVES},
+        # Medians of the per-round ratios (each pair run back to back).
+        "sat_step_over_ppo": round(float(np.median(t["step_sat"] / t["step_ppo"])), 3),
+        "sat_gspo_step_over_gspo": round(float(np.median(t["step_sat_gspo"] / t["step_gspo"])), 3),
         "logprob_gflop_fwd_fwd_bwd": [
             round(flops["fwd"] / 1e9, 3),
             round(flops["fwd_bwd"] / 1e9, 3),
