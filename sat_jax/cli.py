@@ -232,11 +232,16 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def _enable_compile_cache() -> str | None:
-    """JAX's persistent compilation cache at ``--compile_cache`` (before anything compiles)."""
+def _enable_compile_cache() -> int | None:
+    """JAX's persistent compilation cache at ``--compile_cache`` (before anything compiles);
+    the exit status of a bad value (one error line), else None."""
     from sat_jax.run import compile_cache
 
-    return compile_cache.enable(_COMPILE_CACHE.value)
+    try:
+        compile_cache.enable(_COMPILE_CACHE.value)
+    except (OSError, ValueError) as e:
+        return _fail(f"--compile_cache: {e}")
+    return None
 
 
 def _config():
@@ -288,11 +293,8 @@ def main(argv):
 
     if rest:
         return _fail(f"unexpected arguments {rest}")
-    if command in ("train", "eval"):
-        try:
-            _enable_compile_cache()
-        except (OSError, ValueError) as e:
-            return _fail(f"--compile_cache: {e}")
+    if command in ("train", "eval") and (status := _enable_compile_cache()) is not None:
+        return status
     from sat_jax import parallel
 
     parallel.maybe_initialize_distributed(
@@ -399,11 +401,8 @@ def compare_grid(rest: list[str]) -> int:
     out = _OUT.value
     if os.path.isfile(out):
         return _fail(f"--out {out!r} is a file; compare --grid needs a directory")
-    if not _REPORT_ONLY.value:
-        try:
-            _enable_compile_cache()
-        except (OSError, ValueError) as e:
-            return _fail(f"--compile_cache: {e}")
+    if not _REPORT_ONLY.value and (status := _enable_compile_cache()) is not None:
+        return status
     try:
         lags = study_grid.parse_ints(_LAGS.value, "--lags") if _LAGS.value is not None else None
         lrs = study_grid.parse_floats(_LRS.value, "--lrs") if _LRS.value is not None else None
