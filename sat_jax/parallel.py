@@ -66,7 +66,33 @@ def maybe_initialize_distributed(
     _log.info(
         "jax.distributed initialised: process %d of %d", jax.process_index(), jax.process_count()
     )
+    _no_persistent_cache_across_cpu_processes()
     return True
+
+
+def _no_persistent_cache_across_cpu_processes() -> None:
+    """Turns JAX's persistent compilation cache off in a CPU run of several processes.
+
+    With JAX 0.12.1's CPU client, a cross-process program that a process loads from the
+    persistent cache (rather than compiles) never finishes its first gloo collective: the second
+    run of one two-process job on one cache directory hangs (``tests/multihost/
+    test_compile_cache_processes.py`` runs that job). Several CPU processes are a test and
+    debugging setup, whose programs are small, so the cache is left off there on every JAX
+    version; accelerator backends keep it. JAX reads the setting at its first compilation, which
+    comes after this.
+    """
+    if (
+        jax.process_count() > 1
+        and jax.default_backend() == "cpu"
+        and jax.config.jax_enable_compilation_cache
+        and jax.config.jax_compilation_cache_dir
+    ):
+        jax.config.update("jax_enable_compilation_cache", False)
+        _log.warning(
+            "persistent compilation cache %s left off: a CPU run of %d processes does not use it",
+            jax.config.jax_compilation_cache_dir,
+            jax.process_count(),
+        )
 
 
 def make_mesh(
