@@ -1,8 +1,8 @@
 """A CPU job of two processes runs again on the same persistent compilation cache directory.
 
-With JAX 0.12.1 the second run hung in its first cross-process collective, because each process
-loaded the program from the cache; ``parallel.maybe_initialize_distributed`` now leaves the
-cache off for several CPU processes, and both runs finish with the same result.
+With JAX 0.12.1 the second run hangs in its first cross-process collective when each process
+loads the program from the cache; ``parallel.maybe_initialize_distributed`` leaves the cache off
+for several CPU processes, so both runs finish with the same result.
 """
 
 import os
