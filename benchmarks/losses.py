@@ -110,6 +110,7 @@ def main():
     staleness = jax.random.randint(jax.random.key(1), data[0].shape, 0, 9)
     stabilizers = {
         "m2po": _fwd_bwd(losses.m2po),
+        "m2po_bisect": _fwd_bwd(losses.m2po, selection_method="bisect"),
         "m2po_gspo": _fwd_bwd(losses.m2po_gspo),
         "bapo": _fwd_bwd(losses.bapo),
         "bapo_gspo": _fwd_bwd(losses.bapo_gspo),
@@ -178,6 +179,7 @@ def main():
         "sat_gspo_over_gspo": paired_ratio(rounds, "sat_gspo", "gspo"),
         "sat_fixed_q_over_ppo": paired_ratio(rounds, "sat_fixed_q", "ppo"),
         "stabilizers_over_ppo": {name: paired_ratio(rounds, name, "ppo") for name in stabilizers},
+        "m2po_bisect_over_radix": paired_ratio(rounds, "m2po_bisect", "m2po"),
         "quantile_ms": {k: round(v, 3) for k, v in quantile_ms.items()},
         "quantile_speedup_vs_jnp_quantile": round(
             quantile_ms["jnp_quantile"] / quantile_ms["radix"], 1

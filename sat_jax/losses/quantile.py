@@ -184,12 +184,56 @@ def quantile(
     return jnp.where(n > 0, _key_to_float(key), 0.0)
 
 
+def _sums(x: jax.Array, active: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(Σ x, count) over ``active``: float32 and int32 scalars."""
+    return jnp.sum(jnp.where(active, x, 0.0)), jnp.sum(active.astype(jnp.int32))
+
+
+def _bucket_sums(index: jax.Array, active: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per value of ``index`` in [0, 2¹⁶): Σ x and the count over ``active`` positions."""
+    index = jnp.where(active, index.astype(jnp.int32), _BUCKETS).ravel()
+    sums = jnp.zeros(_BUCKETS, jnp.float32).at[index].add(x.ravel(), mode="drop")
+    return sums, jnp.zeros(_BUCKETS, jnp.int32).at[index].add(1, mode="drop")
+
+
+def _last_within(sums, counts, start_sum, start_count, tau):
+    """Index in [-1, 2¹⁶) of the last bucket at whose end the running mean is still ≤ ``tau``.
+
+    The running (Σ x, count) starts at (``start_sum``, ``start_count``) and adds the buckets in
+    order; its surplus Σ (x − tau) only grows past ``tau`` (every bucketed x exceeds it), so the
+    test holds on a prefix of the buckets. Two levels of 2⁸, as :func:`_select_bucket`. Also
+    returns the running (Σ x, count) at that bucket's end. The sums are in an order other than
+    :func:`mean_bounded_keep`'s direct test, which checks the result.
+    """
+    side = 1 << (_HALF // 2)
+    rows_s, rows_c = sums.reshape(side, side), counts.reshape(side, side)
+
+    def prefix(s, c, s0, c0):
+        cs, cc = s0 + jnp.cumsum(s), c0 + jnp.cumsum(c)
+        good = cs <= tau * cc.astype(jnp.float32)
+        return jnp.sum(good.astype(jnp.int32)), cs, cc
+
+    row, cs, cc = prefix(jnp.sum(rows_s, axis=1), jnp.sum(rows_c, axis=1), start_sum, start_count)
+    first = jnp.minimum(row, side - 1)  # row == side: every bucket passes
+    s0 = jnp.where(first > 0, cs[first - 1], start_sum)
+    c0 = jnp.where(first > 0, cc[first - 1], start_count)
+    col, cs2, cc2 = prefix(rows_s[first], rows_c[first], s0, c0)
+    col = jnp.where(row == side, side, col)
+    last = first * side + col - 1
+    at = jnp.maximum(col - 1, 0)
+    end_s = jnp.where(col > 0, cs2[at], s0)
+    end_c = jnp.where(col > 0, cc2[at], c0)
+    return last.astype(jnp.int32), end_s, end_c
+
+
 def mean_bounded_keep(
     x: jax.Array,
     mask: jax.Array,
     candidates: jax.Array,
     tau: float,
     axis_name=None,
+    *,
+    method: str = "auto",
 ) -> jax.Array:
     """M2PO's selection: drop the largest candidate values until the kept mean is ≤ ``tau``.
 
@@ -200,34 +244,72 @@ def mean_bounded_keep(
     When even θ = ``tau`` fails (the non-candidates alone average above ``tau``), no candidate is
     kept, as the one-by-one drop would end.
 
-    Like :func:`quantile` it needs no sort and no all-gather: above ``tau`` the kept surplus
-    Σ (x − tau) grows with θ, so a 31-step bisection over the float32 key of θ finds it, each step
-    one masked (sum, count) pair psum'd over ``axis_name``. ``x`` must be non-negative and
-    finite; the sums are float32, so a surplus within rounding of 0 can decide either way.
+    Like :func:`quantile` it needs no sort and no all-gather. Above ``tau`` the kept surplus
+    Σ (x − tau) grows with θ, so θ is the last float32 key that passes the test
+    ``Σ x ≤ tau · count`` (sums over the kept, float32, psum'd over ``axis_name``):
+
+    * ``"bisect"``: a 32-step bisection over the key, each step one masked (sum, count) pass.
+    * ``"radix"``: two passes of per-bucket (sum, count) histograms over the key's high and low
+      16 bits, which locate θ from running sums; the direct test then checks θ passes and the
+      next key fails (one pass), and only if rounding in the bucketed sums made them disagree
+      does the bisection run. The result is the bisection's whenever the test is monotone in θ,
+      which float32 sums break only within rounding of a zero surplus; there each method returns
+      a threshold that passes the test with the next key failing it.
+
+    ``"auto"`` picks ``"bisect"`` on TPU (which scatters slowly) and ``"radix"`` elsewhere. ``x``
+    must be non-negative and finite.
     """
+    if method not in METHODS:
+        raise ValueError(f"`method` must be one of {METHODS}, got {method!r}.")
+    if method == "auto":
+        method = "bisect" if jax.default_backend() == "tpu" else "radix"
     x = jax.lax.stop_gradient(x.astype(jnp.float32))
     key = _sortable_key(x)
     candidates = mask & candidates
     fixed = mask & ~candidates
+    tau32 = jnp.float32(tau)
+    lo0 = _sortable_key(tau32)
 
-    def surplus(active):
-        s, c = jnp.sum(jnp.where(active, x, 0.0)), jnp.sum(active.astype(jnp.int32))
+    def totals(active):
+        s, c = _base.psum(_sums(x, active), axis_name)
         return s, c
 
-    base_sum, base_count = _base.psum(surplus(fixed), axis_name)
+    base_sum, base_count = totals(fixed)
 
     def ok(k):
-        s, c = _base.psum(surplus(candidates & (key <= k)), axis_name)
-        return base_sum + s <= tau * (base_count + c).astype(jnp.float32)
+        s, c = totals(candidates & (key <= k))
+        return base_sum + s <= tau32 * (base_count + c).astype(jnp.float32)
 
-    # Invariant: ok(lo); ok(k) is monotone (true, then false) for k ≥ key(tau).
-    lo0 = _sortable_key(jnp.float32(tau))
+    def bisect():
+        # Invariant: ok(lo); ok(k) is monotone (true, then false) for k ≥ key(tau).
+        def body(_, bounds):
+            lo, hi = bounds
+            mid = lo + (hi - lo + jnp.uint32(1)) // jnp.uint32(2)
+            good = ok(mid)
+            return jnp.where(good, mid, lo), jnp.where(good, hi, mid - jnp.uint32(1))
 
-    def body(_, bounds):
-        lo, hi = bounds
-        mid = lo + (hi - lo + jnp.uint32(1)) // jnp.uint32(2)
-        good = ok(mid)
-        return jnp.where(good, mid, lo), jnp.where(good, hi, mid - jnp.uint32(1))
+        lo, _ = jax.lax.fori_loop(0, 32, body, (lo0, jnp.uint32(0xFFFFFFFF)))
+        return lo
 
-    lo, _ = jax.lax.fori_loop(0, 32, body, (lo0, jnp.uint32(0xFFFFFFFF)))
-    return fixed | (candidates & (key <= lo) & ok(lo0))
+    start_ok = ok(lo0)
+    if method == "bisect":
+        theta = bisect()
+    else:
+        above = candidates & (key > lo0)
+        s0, c0 = totals(candidates & (key <= lo0))
+        s0, c0 = base_sum + s0, base_count + c0
+        high, low = key >> _HALF, key & jnp.uint32(_BUCKETS - 1)
+        sums, counts = _base.psum(_bucket_sums(high, above, x), axis_name)
+        last, s1, c1 = _last_within(sums, counts, s0, c0, tau32)
+        bucket = (last + 1).astype(jnp.uint32)  # the first bucket that fails (2¹⁶: none)
+        sums, counts = _base.psum(_bucket_sums(low, above & (high == bucket), x), axis_name)
+        last_low, _, _ = _last_within(sums, counts, s1, c1, tau32)
+        start = bucket << _HALF
+        guess = jnp.where(
+            last_low < 0, start - jnp.uint32(1), start + last_low.astype(jnp.uint32)
+        )  # last_low == -1: the previous bucket's end
+        guess = jnp.where(last == _BUCKETS - 1, jnp.uint32(0xFFFFFFFF), jnp.maximum(guess, lo0))
+        nxt = guess + jnp.uint32(1)
+        exact = ok(guess) & ((guess == jnp.uint32(0xFFFFFFFF)) | ~ok(nxt))
+        theta = jax.lax.cond(exact | ~start_ok, lambda: guess, bisect)
+    return fixed | (candidates & (key <= theta) & start_ok)

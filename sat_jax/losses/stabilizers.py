@@ -29,6 +29,7 @@ from sat_jax.losses.objectives import (
     _policy_gradient,
     _sequence_log_ratio,
 )
+from sat_jax.losses.quantile import METHODS as SELECTION_METHODS
 from sat_jax.losses.quantile import mean_bounded_keep
 
 ArrayLike = _base.ArrayLike
@@ -41,8 +42,12 @@ SEQ_AGES = ("mean", "max")
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_m2po(tau, variant, eps_low, eps_high):
+def _check_m2po(tau, variant, eps_low, eps_high, selection_method):
     _base.check_hparam("tau", tau, low=0.0, low_open=True)
+    if selection_method not in SELECTION_METHODS:
+        raise ValueError(
+            f"`selection_method` must be one of {SELECTION_METHODS}, got {selection_method!r}."
+        )
     if variant not in M2PO_VARIANTS:
         raise ValueError(f"`variant` must be one of {M2PO_VARIANTS}, got {variant!r}.")
     if (eps_low is None) != (eps_high is None):
@@ -54,14 +59,16 @@ def _check_m2po(tau, variant, eps_low, eps_high):
         _check_clip(eps_low, eps_high)
 
 
-def _m2po(prep, clip_lr, *, tau, variant, eps_low, eps_high, aggregation, axis_name):
+def _m2po(
+    prep, clip_lr, *, tau, variant, eps_low, eps_high, selection_method, aggregation, axis_name
+):
     """M2PO's mask on the log of the clipped quantity ``clip_lr`` (token or broadcast sequence)."""
     mask, adv = prep.mask, prep.advantages
     d = jax.lax.stop_gradient(clip_lr)
     m2 = jnp.square(d)
     # The authors' code considers only moves away from 1 in the advantage's direction.
     candidates = mask if variant == "paper" else mask & (adv * d > 0)
-    keep = mean_bounded_keep(m2, mask, candidates, float(tau), axis_name)
+    keep = mean_bounded_keep(m2, mask, candidates, float(tau), axis_name, method=selection_method)
     sums = _base.psum(
         tuple(jnp.sum(jnp.where(m, v, 0.0)) for m, v in ((mask, m2), (keep, m2), (keep, 1.0))),
         axis_name,
@@ -103,6 +110,7 @@ def m2po(
     *,
     tau: float = 0.04,
     variant: str = "paper",
+    selection_method: str = "auto",
     aggregation: str = "token-mean",
     token_weights: ArrayLike | None = None,
     axis_name=None,
@@ -126,6 +134,8 @@ def m2po(
       variant: ``"paper"`` (any token may be dropped) or ``"trust_region"`` (only the tokens
         moving away from 1 in the advantage's direction, A > 0 with r > 1 or A < 0 with r < 1,
         may be dropped, as in the authors' verl code; the moment is still over all tokens).
+      selection_method: ``"auto"``, ``"radix"`` or ``"bisect"``: how the exact threshold is
+        found (``quantile.mean_bounded_keep``; ``"auto"``: bisection on TPU, radix elsewhere).
 
     Metrics: mismatch metrics, ``ratio_mean``, ``m2po/masked_frac`` (share of active tokens
     dropped), ``m2po/m2_before`` and ``m2po/m2_after`` (the second moment over all active and
@@ -140,7 +150,7 @@ def m2po(
       >>> round(float(out.loss), 4)   # −(1.0 + 1.1 + 0) / 3
       -0.7
     """
-    _check_m2po(tau, variant, None, None)
+    _check_m2po(tau, variant, None, None, selection_method)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
     return _m2po(
         prep,
@@ -149,6 +159,7 @@ def m2po(
         variant=variant,
         eps_low=None,
         eps_high=None,
+        selection_method=selection_method,
         aggregation=aggregation,
         axis_name=axis_name,
     )
@@ -165,6 +176,7 @@ def m2po_gspo(
     eps_low: float | None = 0.2,
     eps_high: float | None = 0.2,
     seq_log_ratio_cap: float | None = _base.SEQ_LOG_RATIO_CAP,
+    selection_method: str = "auto",
     aggregation: str = "token-mean",
     token_weights: ArrayLike | None = None,
     axis_name=None,
@@ -185,7 +197,7 @@ def m2po_gspo(
       >>> float(out.metrics["m2po/masked_frac"])   # the second response (ρ = 3) is dropped
       0.5
     """
-    _check_m2po(tau, variant, eps_low, eps_high)
+    _check_m2po(tau, variant, eps_low, eps_high, selection_method)
     _check_seq_cap(seq_log_ratio_cap)
     prep = _base.prepare(logp, behavior_logp, advantages, mask, token_weights, aggregation)
     return _m2po(
@@ -195,6 +207,7 @@ def m2po_gspo(
         variant=variant,
         eps_low=eps_low,
         eps_high=eps_high,
+        selection_method=selection_method,
         aggregation=aggregation,
         axis_name=axis_name,
     )

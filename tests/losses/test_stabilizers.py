@@ -183,6 +183,76 @@ def test_m2po_ties_are_kept_or_dropped_together():
     np.testing.assert_array_equal(quantile_lib.mean_bounded_keep(m2, mask, mask, 0.5), True)
 
 
+def _selection_batch(seed, n=300):
+    rng = np.random.default_rng(seed)
+    lr = rng.normal(0, float(rng.choice([0.01, 0.1, 0.3, 3.0])), n).astype(np.float32)
+    if seed % 3 == 0:
+        lr = np.round(lr * 4) / 4  # many ties, and sums exact in any order
+    mask = (rng.random(n) < 0.8) & (np.arange(n) < rng.integers(1, n + 1))
+    cand = mask & (rng.random(n) < 0.6) if seed % 2 else mask
+    return np.square(lr), mask, cand
+
+
+def _keep(method, tau, axis_name=None):
+    return lambda x, m, c: quantile_lib.mean_bounded_keep(x, m, c, tau, axis_name, method=method)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_m2po_radix_selection_equals_the_bisection_and_the_one_by_one_drop(seed):
+    x, mask, cand = _selection_batch(seed)
+    for tau in (1e-4, 0.01, 0.04, 0.5, 100.0):
+        got = jax.jit(_keep("radix", tau))(x, mask, cand)
+        np.testing.assert_array_equal(got, jax.jit(_keep("bisect", tau))(x, mask, cand))
+        if seed % 3:  # no ties: the threshold is the one-by-one drop
+            np.testing.assert_array_equal(got, _greedy_keep(x, mask, cand, tau))
+
+
+def test_m2po_radix_falls_back_to_the_bisection_when_its_bucket_sums_mislead(monkeypatch):
+    """The direct test checks the radix guess: a guess one bucket off still gives the exact mask."""
+    last_within = quantile_lib._last_within
+
+    def off_by_one(*args):
+        last, s, c = last_within(*args)
+        return jnp.maximum(last - 1, -1), s, c
+
+    monkeypatch.setattr(quantile_lib, "_last_within", off_by_one)
+    x, mask, cand = _selection_batch(4)  # no ties
+    for tau in x[mask].mean() * np.array([0.2, 0.5, 0.9]):
+        tau = float(tau)
+        want = _greedy_keep(x, mask, cand, tau)
+        assert not want[mask].all() and want[mask].any()  # the threshold lies inside the batch
+        np.testing.assert_array_equal(jax.jit(_keep("radix", tau))(x, mask, cand), want)
+
+
+@pytest.mark.parametrize("method", ["bisect", "radix"])
+def test_m2po_selection_under_shard_map_equals_the_unsharded_one(method, mesh):
+    sharding = jax.sharding.NamedSharding(mesh, P("data"))
+    for seed in range(3):
+        x, mask, cand = _selection_batch(seed, n=NDEV * 40)
+        for tau in (0.01, 0.04):
+            want = jax.jit(_keep(method, tau))(x, mask, cand)
+            f = jax.jit(
+                jax.shard_map(
+                    _keep(method, tau, "data"),
+                    mesh=mesh,
+                    in_specs=(P("data"),) * 3,
+                    out_specs=P("data"),
+                )
+            )
+            got = f(*(jax.device_put(a, sharding) for a in (x, mask, cand)))
+            np.testing.assert_array_equal(got, want)
+
+
+def test_m2po_rejects_an_unknown_selection_method():
+    batch = _batch()
+    with pytest.raises(ValueError, match="`selection_method` must be one of .*'sort'"):
+        _call("m2po", *batch, selection_method="sort")
+    with pytest.raises(ValueError, match="`method` must be one of .*'sort'"):
+        quantile_lib.mean_bounded_keep(
+            jnp.ones(3), jnp.ones(3, bool), jnp.ones(3, bool), 0.1, method="sort"
+        )
+
+
 def test_m2po_hand_values():
     lp = np.log(np.array([[1.0, 1.1, 3.0, 0.5]], np.float32))
     adv = np.array([[1.0, 1.0, -1.0, -1.0]], np.float32)
