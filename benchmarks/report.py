@@ -24,9 +24,10 @@ ABOUT = {
     "losses": (
         "Losses",
         "forward + backward of the jitted objectives at 2^20 tokens (PPO, SAT with each quantile "
-        "method, SAT with q given, GSPO, SAT-GSPO), the exact quantile against `jnp.quantile` and "
-        "`lax.top_k`, the cost of the primitives an exact selection is built from (`floor_ms`), "
-        "and the collectives of the sharded SAT loss.",
+        "method, SAT with q given, GSPO, SAT-GSPO, and the field's stabilizers, M2PO with each "
+        "selection method), the exact quantile against `jnp.quantile` and `lax.top_k`, the cost "
+        "of the primitives an exact selection is built from (`floor_ms`), and the collectives of "
+        "the sharded SAT loss.",
     ),
     "sampler": (
         "Model and sampler",
