@@ -37,6 +37,7 @@ import argparse
 import csv
 import math
 import os
+import shlex
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -278,19 +279,24 @@ def staleness_markdown(run_dirs: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+#: The page's heading unless ``--title`` gives another (study 1's phase 0 wrote this one).
+TITLE = "Staleness study, phase 0: the calibration map"
+
+
 def markdown(
     entries: Sequence[Mapping[str, Any]],
     *,
     families: Sequence[tuple[str, str]],
     command: str,
     eps_high: float,
+    title: str = TITLE,
 ) -> str:
     from sat_jax.study.report import provenance
 
     prov = provenance()
     chosen = choose(entries)
     lines = [
-        "# Staleness study, phase 0: the calibration map",
+        f"# {title}",
         "",
         "Runs of a baseline and SAT on it ("
         + ", ".join(f"`{b}` and `{s}`" for b, s in families)
@@ -379,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--eps-high", type=float, default=0.2)
     parser.add_argument("--out", required=True, help="markdown file to write")
+    parser.add_argument("--title", default=TITLE, help="the page's heading")
     parser.add_argument(
         "--by-staleness",
         nargs="+",
@@ -406,10 +413,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sat=sat,
                 eps_high=args.eps_high,
             )
-    command = "python -m sat_jax.study.calibration " + " ".join(
+    command = "python -m sat_jax.study.calibration " + shlex.join(
         argv if argv is not None else sys.argv[1:]
     )
-    text = markdown(entries, families=families, command=command, eps_high=args.eps_high)
+    text = markdown(
+        entries, families=families, command=command, eps_high=args.eps_high, title=args.title
+    )
     if args.by_staleness:
         text += (
             "\n## By staleness\n\nEach step's batch is as many versions old as its `lag/mean`; "

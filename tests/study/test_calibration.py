@@ -85,6 +85,9 @@ def test_cli_writes_the_map_and_refuses_a_missing_study(tmp_path, capsys):
     args = ["--baseline", "grpo", "--sat", "sat_grpo", "--out", str(out)]
     assert calibration.main([*args, str(tmp_path / "s")]) == 0
     assert "No setting passes every check" in out.read_text()
+    assert out.read_text().startswith(f"# {calibration.TITLE}\n")
+    assert calibration.main([*args, "--title", "Study 2: checks", str(tmp_path / "s")]) == 0
+    assert out.read_text().startswith("# Study 2: checks\n")
     assert calibration.main([*args, str(tmp_path / "nope")]) == 2
     assert "no results.csv in" in capsys.readouterr().err
     run = tmp_path / "s" / "runs" / "sat_grpo-broadcast2-lr0.0001-seed0"
