@@ -425,10 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "the runs' trailing-window diagnostics grouped by it.\n\n"
             + staleness_markdown(args.by_staleness)
         )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        f.write(text)
-    print(text)
+    tables.write_page(args.out, text)
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -62,3 +63,12 @@ def write_csv(path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -
                     for k in columns
                 }
             )
+
+
+def write_page(path: str, text: str) -> None:
+    """Writes a markdown page (its folder created) and echoes it to stdout, as the study
+    commands do."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(text)
