@@ -6,7 +6,8 @@
   heavy-tailed sampled lag (Zipf, cap 32) of mean 8, and the same mode at mean 1, lr 4e-5, 300
   steps, 128-prompt evaluations every 25 steps. Each arm's constant is swept by invocations that
   ``--set`` it and write their own ``--out`` (CALIBRATION.md gives the commands); the counted
-  grid is added to this file with ``PROTOCOL.md``, before any counted run.
+  grid is added to this file with ``PROTOCOL.md``, before any counted run, as
+  :func:`counted_grid` at the constants the calibration fixes (``python -m sat_jax.study.arms``).
 """
 
 import dataclasses
@@ -22,6 +23,56 @@ SETTINGS = (
     "lag_dist=zipf",
     "lag_cap=32",
 )
+
+#: The counted runs add 512-prompt evaluations where tail20 reads them (CALIBRATION.md).
+FULL_EVALS = "eval.full_at=0,250,275,300"
+PRIMARY_ARMS = ("gspo", "sat_gspo", "gspo_tight")
+
+
+def counted_grid(
+    *,
+    tight_eps: float,
+    kappa: float,
+    tau: float | None,
+    rho_target: float | None,
+    first_seed: int = 20,
+    name: str = "stale2",
+):
+    """Study 2's counted grid at the calibrated constants: GSPO, SAT-GSPO and the tuned clip
+    (ε_low = ε_high = ``tight_eps``) at mean lag 1 and 8 on 12 seeds; the age-aware clip
+    (``kappa``), M2PO (``tau``) and BAPO (``rho_target``) at mean lag 8 on the first 8 of them.
+    ``tau`` or ``rho_target`` None: the calibration dropped that arm. The primary comparison is
+    SAT-GSPO against the tuned clip at mean lag 8 (a paired difference, not an interaction).
+    """
+    secondary = {"age_clip_gspo": {"kappa": float(kappa)}}
+    if tau is not None:
+        secondary["m2po_gspo"] = {"tau": float(tau)}
+    if rho_target is not None:
+        secondary["bapo_gspo"] = {"rho_target": float(rho_target)}
+    grid = stale_grid(
+        (*PRIMARY_ARMS, *secondary),
+        lags=(1, 8),
+        seeds=12,
+        first_seed=first_seed,
+        baseline="gspo",
+        primary=("sat_gspo", "gspo_tight"),
+        primary_lag=8,
+        tight_eps=tight_eps,
+        preset="stale_sort",
+        settings=(*SETTINGS, FULL_EVALS),
+        lag_mode="sampled",
+        arm_loss=secondary,
+        arm_lags={arm: (8,) for arm in secondary},
+        arm_seeds={arm: 8 for arm in secondary},
+    )
+    return dataclasses.replace(
+        grid,
+        name=name,
+        description="staleness study 2 (docs/results/stale2/PROTOCOL.md): SAT-GSPO against the "
+        "tuned uniform clip, the age-aware clip, M2PO and BAPO under a heavy-tailed sampled lag "
+        "of mean 8 (Zipf, cap 32), and GSPO, SAT-GSPO and the clip at mean 1",
+    )
+
 
 GRIDS = {
     "stale2-calib": dataclasses.replace(

@@ -205,6 +205,38 @@ def test_arms_run_at_their_own_lags_and_seeds_with_their_own_constants(tmp_path)
     ]
 
 
+def test_study2_counted_grid_builder_is_the_planned_protocol(tmp_path):
+    """``configs/studies/stale2.py``'s ``counted_grid``: 12 seeds from 20 for the primary arms at
+    mean lag 1 and 8, 8 for the secondary arms at 8 only, each at its constant, the settings of
+    the calibration plus the 512-prompt evaluations tail20 reads; a dropped arm is left out."""
+    study = study_grid.load_study(os.path.join(study_grid.STUDIES_DIR, "stale2.py"))
+    g = study["counted_grid"](tight_eps=0.07, kappa=0.3, tau=1e-4, rho_target=0.4)
+    assert g.name == "stale2" and g.primary == ("sat_gspo", "gspo_tight") and g.primary_lag == 8
+    runs = study_grid.expand(g, str(tmp_path))
+    primary = {"gspo", "sat_gspo", "gspo_tight"}
+    count = {(s.method, s.lag): 0 for s, _ in runs}
+    for spec, _ in runs:
+        count[spec.method, spec.lag] += 1
+    assert count == {
+        **{(m, lag): 12 for m in primary for lag in (1, 8)},
+        **{(m, 8): 8 for m in ("age_clip_gspo", "m2po_gspo", "bapo_gspo")},
+    }
+    assert len(runs) == 96 and {s.seed for s, _ in runs} == set(range(20, 32))
+    for spec, c in runs:
+        assert c.lag_mode == "sampled" and c.lag_dist == "zipf" and c.lag_cap == 32
+        assert c.optim.learning_rate == 4e-5 and c.num_steps == 300
+        assert c.eval.full_at == "0,250,275,300" and c.eval.num_prompts == 128
+        eps = 0.07 if spec.method == "gspo_tight" else 0.2
+        assert (c.loss.eps_low, c.loss.eps_high) == (eps, eps), spec.name
+        assert c.loss.get("kappa") == (0.3 if spec.method == "age_clip_gspo" else None)
+        assert c.loss.get("tau") == (1e-4 if spec.method == "m2po_gspo" else None)
+        if spec.method == "bapo_gspo":
+            assert c.loss.rho_target == 0.4
+    dropped = study["counted_grid"](tight_eps=0.1, kappa=1.0, tau=None, rho_target=None)
+    assert dropped.methods == ("gspo", "sat_gspo", "gspo_tight", "age_clip_gspo")
+    assert "stale2" not in study["GRIDS"]  # added with PROTOCOL.md, at the calibrated values
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
