@@ -270,15 +270,18 @@ def mean_bounded_keep(
     tau32 = jnp.float32(tau)
     lo0 = _sortable_key(tau32)
 
-    def totals(active):
-        s, c = _base.psum(_sums(x, active), axis_name)
-        return s, c
+    base_sum, base_count = _base.psum(_sums(x, fixed), axis_name)
 
-    base_sum, base_count = totals(fixed)
+    def kept(k):
+        """(Σ x, count) over the kept positions when the candidates up to key ``k`` stay."""
+        s, c = _base.psum(_sums(x, candidates & (key <= k)), axis_name)
+        return base_sum + s, base_count + c
+
+    def passes(s, c):
+        return s <= tau32 * c.astype(jnp.float32)
 
     def ok(k):
-        s, c = totals(candidates & (key <= k))
-        return base_sum + s <= tau32 * (base_count + c).astype(jnp.float32)
+        return passes(*kept(k))
 
     def bisect():
         # Invariant: ok(lo); ok(k) is monotone (true, then false) for k ≥ key(tau).
@@ -291,13 +294,12 @@ def mean_bounded_keep(
         lo, _ = jax.lax.fori_loop(0, 32, body, (lo0, jnp.uint32(0xFFFFFFFF)))
         return lo
 
-    start_ok = ok(lo0)
+    s0, c0 = kept(lo0)  # what every threshold keeps: read once, by both tests below
+    start_ok = passes(s0, c0)
     if method == "bisect":
         theta = bisect()
     else:
         above = candidates & (key > lo0)
-        s0, c0 = totals(candidates & (key <= lo0))
-        s0, c0 = base_sum + s0, base_count + c0
         high, low = key >> _HALF, key & jnp.uint32(_BUCKETS - 1)
         sums, counts = _base.psum(_bucket_sums(high, above, x), axis_name)
         last, s1, c1 = _last_within(sums, counts, s0, c0, tau32)

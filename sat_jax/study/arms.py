@@ -152,7 +152,7 @@ def collect(root: str) -> dict[str, dict[float, dict[str, Any]]]:
     return found
 
 
-def _complete(sweeps: Mapping[float, Mapping[str, Any]], values: Sequence[float]) -> list[float]:
+def _missing(sweeps: Mapping[float, Mapping[str, Any]], values: Sequence[float]) -> list[float]:
     """The values of ``values`` still missing seeds."""
     return [v for v in values if len(sweeps.get(v, {}).get("seeds", ())) < SEEDS]
 
@@ -163,7 +163,7 @@ def decide(arm: str, sweeps: Mapping[float, Mapping[str, Any]], sat_binding: flo
     spec = ARMS[arm]
     c = spec["constant"]
     if spec["rule"] == "accuracy":
-        missing = _complete(sweeps, spec["values"])
+        missing = _missing(sweeps, spec["values"])
         if missing:
             return {"status": "waiting", "missing": missing}
         best = max(sweeps[v]["tail20"] for v in spec["values"])
@@ -176,13 +176,13 @@ def decide(arm: str, sweeps: Mapping[float, Mapping[str, Any]], sat_binding: flo
         return {"status": "chosen", "value": value, "why": why}
     paper = spec["paper"]
     if spec["rule"] == "m2po":
-        if _complete(sweeps, [paper]):
+        if _missing(sweeps, [paper]):
             return {"status": "waiting", "missing": [paper]}
         if sweeps[paper]["masked"] >= M2PO_ACTS:
             share = sweeps[paper]["masked"]
             return {"status": "chosen", "value": paper, "why": f"it masks {share:.2%} ≥ 1%"}
         rest = [v for v in spec["values"] if v != paper]
-        missing = _complete(sweeps, rest)
+        missing = _missing(sweeps, rest)
         if missing:
             return {"status": "waiting", "missing": missing}
         acting = [v for v in rest if sweeps[v]["masked"] >= M2PO_ACTS]
@@ -199,7 +199,7 @@ def decide(arm: str, sweeps: Mapping[float, Mapping[str, Any]], sat_binding: flo
             f"rate {sat_binding:.2%}",
         }
     for value in spec["values"]:  # BAPO: the paper's, then the larger ρ₀ in order
-        if _complete(sweeps, [value]):
+        if _missing(sweeps, [value]):
             return {"status": "waiting", "missing": [value]}
         if sweeps[value]["moved"] >= BAPO_ACTS:
             moved = sweeps[value]["moved"]
