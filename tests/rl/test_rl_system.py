@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from _tiny_models import tiny_run as tiny
+from _traces import compiles_of
 
 from sat_jax import config as config_lib
 from sat_jax import parallel
@@ -65,20 +66,17 @@ def test_each_config_runs_two_steps(path, tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("mode,lag,correction", [("fixed", 2, "tis"), ("broadcast", 3, "kpop")])
-def test_lag_bookkeeping_is_exact(mode, lag, correction, tmp_path, cache_dir, monkeypatch):
+def test_lag_bookkeeping_is_exact(mode, lag, correction, tmp_path, cache_dir):
     config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
     config.lag_mode, config.lag, config.num_steps = mode, lag, 5
     # TIS needs the behaviour version's snapshot at every step; KPop compares with the current
     # policy (its phi from loss.kpop_phi).
     config.loss.correction, config.loss.kpop_phi = correction, 0.05
-    steps = []
-    make = learner.trainer.make_train_step
-    monkeypatch.setattr(
-        learner.trainer, "make_train_step", lambda *a, **k: steps.append(make(*a, **k)) or steps[-1]
-    )
-    hist = learner.train(config, quiet=True)["history"]
-    # Five steps, one compilation: the state's step counters are placed like the rest of it.
-    assert [f._cache_size() for f in steps] == [1]
+    with compiles_of("train_on_mesh") as step:
+        hist = learner.train(config, quiet=True)["history"]
+    # Five steps, one compilation (one signature of types and shardings): the state's step
+    # counters are placed like the rest of it.
+    assert len(hist) == 5 and (step.traces, step.lowerings) == (1, 1)
     schedule = LagSchedule(mode, lag)
     for j, h in enumerate(hist):
         expected = j - schedule.version_for(j)

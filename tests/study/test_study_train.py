@@ -4,23 +4,12 @@ second invocation re-runs nothing."""
 
 import os
 
-import jax
 import pytest
 from _study_cli import invoke
 from _tiny_models import TINY_RUN
+from _traces import compiles_of
 
 from sat_jax.train import components, learner
-
-# Traces of the trainer step's function (``trainer.train_on_mesh``) while ``_TRACING`` holds a
-# list: jit traces a function once per new signature, whatever the persistent cache holds.
-_TRACING: list = []
-jax.monitoring.register_event_duration_secs_listener(
-    lambda name, _d, fun_name="", **_kw: (
-        _TRACING[0].append(fun_name)
-        if _TRACING and name.endswith("jaxpr_trace_duration") and fun_name == "train_on_mesh"
-        else None
-    )
-)
 
 TINY = [*TINY_RUN, "num_steps=2", "sft.steps=3", "sft.batch_size=16", "eval.every=2"]
 
@@ -43,18 +32,14 @@ def test_toy_grid_trains_shares_the_step_and_resumes(tmp_path, monkeypatch, caps
         *(f"--set={s}" for s in TINY),
         f"--set=sft.cache_dir={tmp_path / 'cache'}",
     ]
-    traces: list[str] = []
-    _TRACING.append(traces)
-    try:
+    with compiles_of("train_on_mesh") as step:
         assert run_cli(*args) == 0
-    finally:
-        _TRACING.clear()
     names = ["grpo-broadcast1-lr0.0001-seed0", "grpo-broadcast2-lr0.0001-seed0"]
     for name in names:
         assert os.path.isfile(out / "runs" / name / "done.json")
-    # Both runs stepped one jitted step (one entry built for both), traced once.
+    # Both runs stepped one jitted step (one entry built for both), traced and lowered once.
     assert len(components._TRAIN_STEPS) == 1
-    assert traces == ["train_on_mesh"]
+    assert (step.traces, step.lowerings) == (1, 1)
     md = (out / "results.md").read_text()
     assert "| GRPO | 2 | 0.0001 | 1 |" in md and "2 runs trained, 0 already finished" in md
     assert len((out / "results.csv").read_text().splitlines()) == 3
