@@ -2,8 +2,9 @@
 
 jit traces a function once per new input type signature and lowers it once per new signature
 of types and shardings, whatever its dispatch cache or the persistent compilation cache hold.
-So the counts do not depend on what else the test process compiled before (``jax.jit``'s
-``_cache_size`` counts entries of a process-wide LRU cache, which other tests' programs evict)."""
+So the counts do not depend on what else the test process ran before, unlike ``jax.jit``'s
+``_cache_size``, which counts entries of a process-wide dispatch cache (it read 0 for a step
+that had run five times in a test worker that had run other tests first)."""
 
 import contextlib
 import dataclasses
