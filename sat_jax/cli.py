@@ -141,6 +141,14 @@ _SHARE = flags.DEFINE_boolean(
     True,
     "Reuse the jitted trainer step across runs with the same program (compare --grid).",
 )
+_KEEP_CHECKPOINTS = flags.DEFINE_boolean(
+    "keep_checkpoints",
+    True,
+    "Keep each finished run's checkpoints (compare --grid). --nokeep_checkpoints deletes a run's "
+    "checkpoint directory once its done.json is written: the report reads only the runs' logs, "
+    "and a run's checkpoints (parameters, optimizer state and its lag's parameter snapshots) "
+    "can take hundreds of MB each. Unfinished runs keep theirs, to resume from.",
+)
 
 # Flags shown by --help, per command (every command takes --config and --config.KEY=VALUE).
 _COMMAND_FLAGS = {
@@ -177,6 +185,7 @@ _COMMAND_FLAGS = {
         "set",
         "report_only",
         "share_compilation",
+        "keep_checkpoints",
         "compile_cache",
     ),
 }
@@ -475,6 +484,7 @@ def compare_grid(rest: list[str]) -> int:
             ),
             fatal=learner.ResumeError,
             after_run=lambda progress: write(progress, plots=False),
+            keep_checkpoints=_KEEP_CHECKPOINTS.value,
         )
         if invocation["failed"]:
             status = 1

@@ -28,6 +28,9 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from etils import epath
+
+from sat_jax.run import workdir as workdir_lib
 from sat_jax.run.metrics import compress_metrics
 
 DONE_FILE = "done.json"
@@ -184,6 +187,26 @@ def mark_finished(config, summary: dict[str, Any]) -> None:
     os.replace(tmp, os.path.join(config.workdir, DONE_FILE))
 
 
+def drop_checkpoints(config) -> bool:
+    """Deletes the checkpoint directory of a finished run (``done.json`` written); returns
+    whether there was one. A run that is not finished keeps its checkpoints: they are what it
+    resumes from.
+
+    Raises:
+      ValueError: the run is not finished.
+    """
+    if not is_finished(config):
+        raise ValueError(
+            f"{config.workdir} is not a finished run (no {DONE_FILE} for this config): its "
+            "checkpoints are what it resumes from"
+        )
+    ckpt_dir = epath.Path(workdir_lib.run_paths(config)[1])
+    if not ckpt_dir.exists():
+        return False
+    ckpt_dir.rmtree()
+    return True
+
+
 def run_wall_seconds(workdir: str) -> float | None:
     """The wall seconds recorded for a finished run (its last session), None if not finished."""
     try:
@@ -241,6 +264,7 @@ def run_all(
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
     fatal: type | tuple[type, ...] | None = None,
     after_run: Callable[[dict[str, Any]], None] | None = None,
+    keep_checkpoints: bool = True,
 ) -> dict[str, Any]:
     """Runs every (spec, config) in order, skipping finished runs.
 
@@ -249,7 +273,9 @@ def run_all(
     raises is recorded (its traceback in ``<workdir>/error.txt``, removed when a later attempt
     finishes) and the grid goes on, unless the exception is one of ``fatal`` (re-raised).
     ``after_run(progress)`` is called after each run with the dict this function returns, so far
-    (the CLI rewrites results.md there).
+    (the CLI rewrites results.md there). ``keep_checkpoints=False`` deletes each run's checkpoint
+    directory once its ``done.json`` is written (:func:`drop_checkpoints`): a finished run is
+    never resumed, and the report reads only its log.
 
     Returns ``{"trained": [names], "skipped": [names], "failed": [names], "seconds": wall
     seconds of this call, "run_seconds": {name: seconds}}``.
@@ -332,6 +358,8 @@ def run_all(
             raise Interrupted(spec.name)
         mark_finished(config, {**summary, "wall_seconds": seconds})
         compress_metrics(config.workdir)
+        if not keep_checkpoints:
+            drop_checkpoints(config)
         # An earlier attempt's traceback no longer describes this run.
         stale = os.path.join(config.workdir, ERROR_FILE)
         if os.path.exists(stale):

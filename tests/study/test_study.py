@@ -501,6 +501,42 @@ def test_an_interrupted_run_stops_the_grid_unmarked(tmp_path):
     assert [runner.is_finished(c) for _, c in runs] == [True, False, False]
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_finished_runs_drop_their_checkpoints_only_when_asked(tmp_path, keep):
+    g = study_grid.resolve(
+        "envelope", seeds=4, lags=(1,), lrs=(1e-4,), methods=("grpo",), baseline="grpo"
+    )
+    runs = study_grid.expand(g, str(tmp_path))
+
+    def ckpt(config):
+        return os.path.join(config.workdir, "checkpoints")
+
+    def fake_train(config):
+        # Each run saves checkpoints as it goes; seed 1 fails and seed 2 is interrupted after
+        # saving, so neither is finished.
+        os.makedirs(os.path.join(ckpt(config), "100"), exist_ok=True)
+        with open(os.path.join(ckpt(config), "100", "state"), "w", encoding="utf-8") as f:
+            f.write("x")
+        if config.seed == 1:
+            raise RuntimeError("broken run")
+        return {"interrupted": config.seed == 2}
+
+    with pytest.raises(runner.Interrupted):
+        runner.run_all(runs, train=fake_train, log=lambda m: None, keep_checkpoints=keep)
+    assert [runner.is_finished(c) for _, c in runs] == [True, False, False, False]
+    # The finished run's checkpoints go only when asked; the failed and the interrupted run keep
+    # theirs (what they resume from); the run never started has none.
+    assert [os.path.isdir(ckpt(c)) for _, c in runs] == [keep, True, True, False]
+    assert os.path.isfile(os.path.join(runs[0][1].workdir, runner.DONE_FILE))
+    # Deleting by hand: a finished run's once, an unfinished run's never.
+    assert runner.drop_checkpoints(runs[0][1]) is keep
+    assert runner.drop_checkpoints(runs[0][1]) is False
+    for _, config in runs[1:]:
+        with pytest.raises(ValueError, match="not a finished run"):
+            runner.drop_checkpoints(config)
+    assert os.path.isdir(ckpt(runs[1][1])) and os.path.isdir(ckpt(runs[2][1]))
+
+
 def test_a_failing_run_is_recorded_and_the_grid_goes_on(tmp_path):
     g = study_grid.resolve(
         "envelope", seeds=3, lags=(1,), lrs=(1e-4,), methods=("grpo",), baseline="grpo"

@@ -31,12 +31,16 @@ def test_toy_grid_trains_shares_the_step_and_resumes(tmp_path, monkeypatch, caps
         f"--out={out}",
         *(f"--set={s}" for s in TINY),
         f"--set=sft.cache_dir={tmp_path / 'cache'}",
+        "--nokeep_checkpoints",
     ]
     with compiles_of("train_on_mesh") as step:
         assert run_cli(*args) == 0
     names = ["grpo-broadcast1-lr0.0001-seed0", "grpo-broadcast2-lr0.0001-seed0"]
     for name in names:
         assert os.path.isfile(out / "runs" / name / "done.json")
+        # --nokeep_checkpoints: a finished run's checkpoints are deleted, its log kept.
+        assert not os.path.exists(out / "runs" / name / "checkpoints")
+        assert os.path.isfile(out / "runs" / name / "metrics.jsonl.gz")
     # Both runs stepped one jitted step (one entry built for both), traced and lowered once.
     assert len(components._TRAIN_STEPS) == 1
     assert (step.traces, step.lowerings) == (1, 1)
