@@ -64,6 +64,8 @@ _FLOATS = (
     "base",
     "lag_le2_t25",
     "lag_ge8_t25",
+    "m2po_masked_t25",
+    "bapo_moved",
 )
 
 

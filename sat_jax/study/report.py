@@ -41,6 +41,8 @@ CSV_COLUMNS = (
     "reward_t25",
     "lag_le2_t25",
     "lag_ge8_t25",
+    "m2po_masked_t25",
+    "bapo_moved",
     "warmup_loss",
     "warmup_digest",
     "wall_s",
@@ -300,13 +302,26 @@ def _markdown(
         "the highest evaluation after step 0; **final**: the last evaluation.",
         "- **d̄_π**, **q**, **binding**, **clipped**, **realized lag**: means over the last 25% of "
         "training steps of `loss/mismatch`, `loss/sat/q` (SAT objectives only), "
-        "`loss/sat/binding_rate`, `loss/clip_frac` (clipped) and `lag/mean`.",
+        "`loss/sat/binding_rate`, `loss/clip_frac` (clipped) and `lag/mean`; where a grid runs "
+        "them, **M2PO masked** (`loss/m2po/masked_frac`, same window) and **BAPO moved** (the "
+        "share of all training steps with `loss/bapo/steps` > 0: its bounds left their start).",
         f"- Collapse rule: {rule.describe()}",
         "- Mean ± sd over seeds (sd with ddof 1). **Paired difference**: per seed, method "
         "minus baseline at the same lag and learning rate (same warm-up and prompt order); "
         "mean, 95% Student-t interval mean ± t_{0.975,n−1}·sd/√n, and how many seeds went "
         "up. An interval that contains 0 does not show a difference.",
         "",
+    ]
+    summary = stats.cell_summary(rows)
+    # The stabilizers' own activity, where a grid runs them: M2PO's masked share (trailing 25%)
+    # and the share of steps on which BAPO's bounds moved.
+    extra = [
+        (key, head, digits)
+        for key, head, digits in (
+            ("m2po_masked_t25", "M2PO masked", 4),
+            ("bapo_moved", "BAPO moved", 3),
+        )
+        if any(math.isfinite(c[key]) for c in summary)
     ]
     lines += [
         "## Per cell",
@@ -326,6 +341,7 @@ def _markdown(
                 "binding",
                 "clipped",
                 "realized lag",
+                *(head for _, head, _ in extra),
             ],
             [
                 [
@@ -342,8 +358,9 @@ def _markdown(
                     tables.fmt(c["binding_t25"], 4),
                     tables.fmt(c["clip_t25"], 4),
                     tables.fmt(c["lag_t25"], 2),
+                    *(tables.fmt(c[key], digits) for key, _, digits in extra),
                 ]
-                for c in stats.cell_summary(rows)
+                for c in summary
             ],
         ),
         "",

@@ -31,7 +31,12 @@ TRAILING = {
     "clip": "loss/clip_frac",  # share of active tokens whose ratio is clipped (any objective)
     "lag": "lag/mean",  # realized lag
     "reward": "train/reward_mean",
+    "m2po_masked": "loss/m2po/masked_frac",  # share of active tokens M2PO masks
 }
+
+#: BAPO's per-step count of bound moves (0: both bounds stayed at their start); summarised as
+#: ``bapo_moved``, the share of training steps on which they moved.
+BAPO_STEPS = "loss/bapo/steps"
 
 #: The trainer's staleness buckets of d̄_π (``mismatch/<name>`` and ``mismatch/<name>_share``),
 #: summarised as ``<name>_t25`` over the trailing steps that hold tokens of the bucket.
@@ -172,8 +177,11 @@ def summarize_run(
       evaluation after step 0; ``final`` / ``final_step``: the last evaluation.
     * ``<name>_t25`` for each of :data:`TRAILING`: the mean over the last ``trailing`` share of
       training steps (at least one step) of that metric; NaN where the run does not log it
-      (``q`` and ``binding`` exist only for SAT objectives); ``lag_le2_t25`` and ``lag_ge8_t25``
-      (:data:`LAG_BUCKETS`) average only the steps whose batch held tokens of that staleness.
+      (``q`` and ``binding`` exist only for SAT objectives, ``m2po_masked`` only for M2PO's);
+      ``lag_le2_t25`` and ``lag_ge8_t25`` (:data:`LAG_BUCKETS`) average only the steps whose
+      batch held tokens of that staleness.
+    * ``bapo_moved``: the share of all training steps on which BAPO's bounds left their start
+      (:data:`BAPO_STEPS` > 0); NaN for other objectives.
     * ``steps``: training steps logged; ``collapsed``: ``rule(base, best, final)``.
     * ``tail20``: :func:`tail_mean` (the last 20% of evaluations); ``collapse_step``: the step
       :data:`SUSTAINED_RULE` finds the run collapsed at, or None.
@@ -221,6 +229,8 @@ def summarize_run(
             if s in window and share.get(s, 0.0) > 0 and math.isfinite(v)
         ]
         out[f"{name}_t25"] = float(np.mean(values)) if values else math.nan
+    moves = [v for v in _by_step(records, BAPO_STEPS).values() if math.isfinite(v)]
+    out["bapo_moved"] = float(np.mean([v > 0 for v in moves])) if moves else math.nan
     out["collapsed"] = rule(base, best, final)
     out["tail20"] = tail_mean(records, 0.2)
     out["collapse_step"] = SUSTAINED_RULE.step(records)
@@ -322,7 +332,7 @@ def cell_summary(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "n": len(group),
             "collapsed": sum(bool(r.get("collapsed")) for r in group),
         }
-        for key in ("base", "best", "final", *(f"{k}_t25" for k in TRAILING)):
+        for key in ("base", "best", "final", "bapo_moved", *(f"{k}_t25" for k in TRAILING)):
             entry[key], entry[key + "_sd"], _ = mean_sd(r.get(key, math.nan) for r in group)
         out.append(entry)
     return out
