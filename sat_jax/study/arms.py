@@ -38,14 +38,13 @@ from typing import Any
 import numpy as np
 
 from sat_jax.run.metrics import read_metrics
-from sat_jax.study import calibration, tables
+from sat_jax.study import calibration, stats, tables
 
 SEEDS = 4
 LAG = 8
 TIE = 0.005
 M2PO_ACTS = 0.01
 BAPO_ACTS = 0.10
-TRAILING = 0.25
 
 
 #: Arm -> (directory prefix, method, constant, the values CALIBRATION.md lists, the paper's
@@ -86,20 +85,6 @@ ARMS: dict[str, dict[str, Any]] = {
 }
 
 
-def _trailing_mean(records: Sequence[Mapping[str, Any]], key: str) -> float:
-    values = [(r["step"], float(r[key])) for r in records if key in r and "step" in r]
-    if not values:
-        return math.nan
-    values.sort()
-    tail = values[-max(1, math.ceil(TRAILING * len(values))) :]
-    return float(np.mean([v for _, v in tail]))
-
-
-def _share_positive(records: Sequence[Mapping[str, Any]], key: str) -> float:
-    values = [float(r[key]) for r in records if key in r]
-    return float(np.mean([v > 0 for v in values])) if values else math.nan
-
-
 def read_sweep(sweep_dir: str, method: str) -> dict[str, Any]:
     """One value's runs at lag 8: finished seeds, mean tail20, M2PO's trailing masked share and
     the share of steps on which BAPO's bounds left their start (each the mean over seeds)."""
@@ -111,8 +96,10 @@ def read_sweep(sweep_dir: str, method: str) -> dict[str, Any]:
     masked, moved = [], []
     for r in rows:
         records = read_metrics(os.path.join(sweep_dir, "runs", os.path.basename(r["run_dir"])))
-        masked.append(_trailing_mean(records, "loss/m2po/masked_frac"))
-        moved.append(_share_positive(records, "loss/bapo/steps"))
+        # The same per-run figures as the study reports' (``stats.summarize_run``).
+        summary = stats.summarize_run(records)
+        masked.append(summary["m2po_masked_t25"])
+        moved.append(summary["bapo_moved"])
 
     def mean(values):
         return float(np.mean(values)) if values else math.nan

@@ -23,7 +23,7 @@ def _sweep(root, name, method, tail20s=(0.5,) * 4, masked=None, moved=None, lag=
         d.mkdir(parents=True)
         with open(d / "metrics.jsonl", "w") as f:
             for step in range(1, 9):
-                record = {"step": step}
+                record = {"step": step, "loss/mismatch": 0.01}  # every training step logs it
                 if masked is not None:  # early steps mask more: only the trailing 25% counts
                     record["loss/m2po/masked_frac"] = masked if step > 6 else 0.5
                 if moved is not None:
