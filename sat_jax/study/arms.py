@@ -23,6 +23,7 @@ M2PO's and BAPO's constants are fixed by whether they act.
 Usage::
 
     python -m sat_jax.study.arms --out docs/results/stale2/arms.md studies/stale2-calib
+    python -m sat_jax.study.arms --next studies/stale2-calib   # the sweeps still to run
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ M2PO_ACTS = 0.01
 BAPO_ACTS = 0.10
 
 
-#: Arm -> (directory prefix, method, constant, the values CALIBRATION.md lists, the paper's
-#: value or None, the rule). The lists are the plan's; a directory of another value is refused.
+#: Arm -> (directory prefix, the config keys its constant sets, method, constant, the values
+#: CALIBRATION.md lists, the paper's value or None, the rule). The lists are the plan's; a
+#: directory of another value is refused.
 ARMS: dict[str, dict[str, Any]] = {
     "tight": {
         "prefix": "tight-eps",
+        "keys": ("loss.eps_low", "loss.eps_high"),
         "method": "gspo_tight",
         "constant": "ε",
         "values": (0.05, 0.07, 0.1, 0.14),
@@ -60,6 +63,7 @@ ARMS: dict[str, dict[str, Any]] = {
     },
     "age": {
         "prefix": "age-kappa",
+        "keys": ("loss.kappa",),
         "method": "age_clip_gspo",
         "constant": "κ",
         "values": (0.03, 0.1, 0.3, 1.0),
@@ -68,6 +72,7 @@ ARMS: dict[str, dict[str, Any]] = {
     },
     "m2po": {
         "prefix": "m2po-tau",
+        "keys": ("loss.tau",),
         "method": "m2po_gspo",
         "constant": "τ",
         "values": (0.04, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5),
@@ -76,6 +81,7 @@ ARMS: dict[str, dict[str, Any]] = {
     },
     "bapo": {
         "prefix": "bapo-rho",
+        "keys": ("loss.rho_target",),
         "method": "bapo_gspo",
         "constant": "ρ₀",
         "values": (0.4, 0.5, 0.6),
@@ -198,6 +204,38 @@ def decide(arm: str, sweeps: Mapping[float, Mapping[str, Any]], sat_binding: flo
     return {"status": "dropped", "why": "no listed ρ₀ moves the bounds on ≥ 10% of steps"}
 
 
+#: The order in which :func:`next_sweeps` lists the arms' missing sweeps.
+ORDER = ("m2po", "bapo", "tight", "age")
+
+
+def sweep_command(root: str, arm: str, value: float) -> list[str]:
+    """``CALIBRATION.md``'s command for one value of one arm: four seeds at mean lag 8 into
+    ``root/<prefix><value>``."""
+    spec = ARMS[arm]
+    if value not in spec["values"]:
+        raise ValueError(f"{arm}: {value!r} is not one of the listed values {spec['values']}")
+    method = spec["method"]
+    cmd = ["sat-jax", "compare", "--grid", "stale2-calib", "--lags", str(LAG)]
+    cmd += ["--methods", method, "--baseline", method]
+    cmd += ["--out", os.path.join(root, f"{spec['prefix']}{float(value)!r}")]
+    for key in spec["keys"]:
+        cmd += ["--set", f"{key}={float(value)!r}"]
+    return cmd
+
+
+def next_sweeps(root: str) -> list[list[str]]:
+    """The commands of every sweep a rule still waits for (arms in :data:`ORDER`, values in the
+    plan's order); empty once every arm is decided. A half-finished sweep is listed too: its
+    command resumes it."""
+    found, binding = collect(root), sat_binding_rate(root)
+    out = []
+    for arm in ORDER:
+        outcome = decide(arm, found[arm], binding)
+        if outcome["status"] == "waiting":
+            out += [sweep_command(root, arm, v) for v in outcome["missing"]]
+    return out
+
+
 def sat_binding_rate(root: str) -> float:
     """SAT-GSPO's mean trailing binding rate at lag 8 in ``root/setting`` (NaN without it)."""
     try:
@@ -258,10 +296,22 @@ def markdown(root: str, command: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("root", help="the calibration's directory (setting/ and the sweeps)")
-    parser.add_argument("--out", required=True, help="markdown file to write")
+    parser.add_argument("--out", help="markdown file to write")
+    parser.add_argument(
+        "--next",
+        action="store_true",
+        help="print the command of every sweep a rule still waits for, one a line, instead",
+    )
     args = parser.parse_args(argv)
     if not os.path.isdir(args.root):
         print(f"arms: no directory {args.root}", file=sys.stderr)
+        return 2
+    if args.next:
+        for cmd in next_sweeps(args.root):
+            print(shlex.join(cmd))
+        return 0
+    if not args.out:
+        print("arms: give --out (the page to write) or --next", file=sys.stderr)
         return 2
     command = "python -m sat_jax.study.arms " + shlex.join(
         argv if argv is not None else sys.argv[1:]

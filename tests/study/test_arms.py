@@ -1,6 +1,7 @@
 """Study 2's arm rules (sat_jax/study/arms.py) on hand-written sweep directories."""
 
 import json
+import os
 
 import pytest
 from _results_csv import write_results
@@ -129,3 +130,34 @@ def test_an_unlisted_value_is_refused_and_the_cli_writes_the_page(tmp_path, caps
     assert "**Not decided yet**: waiting for 0.001, 0.0003" in text
     assert arms.main([str(tmp_path / "none"), "--out", str(out)]) == 2
     assert "no directory" in capsys.readouterr().err
+
+
+def test_next_lists_the_sweeps_still_to_run_and_each_resolves_to_its_value(tmp_path, capsys):
+    root = tmp_path / "calib"
+    _setting(root, binding=0.0319)
+    _sweep(root, "m2po-tau0.04", "m2po_gspo", masked=0.0)  # does not act: the smaller τ run
+    _sweep(root, "bapo-rho0.4", "bapo_gspo", moved=0.5)  # acts: BAPO is decided
+    for eps in (0.05, 0.07, 0.1, 0.14):
+        _sweep(root, f"tight-eps{eps}", "gspo_tight")
+    assert arms.main(["--next", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # M2PO's five smaller τ, then the age-aware clip's four κ; nothing for BAPO or the clip.
+    assert len(lines) == 9
+    assert lines[0] == (
+        "sat-jax compare --grid stale2-calib --lags 8 --methods m2po_gspo --baseline m2po_gspo "
+        f"--out {root}/m2po-tau0.001 --set loss.tau=0.001"
+    )
+    assert lines[-1].endswith(f"--out {root}/age-kappa1.0 --set loss.kappa=1.0")
+    # Each printed directory is read back as the value its command sets.
+    for arm in ("m2po", "age"):
+        for value in arms.ARMS[arm]["values"][arm == "m2po" :]:
+            cmd = arms.sweep_command(str(root), arm, value)
+            name = os.path.basename(cmd[cmd.index("--out") + 1])
+            method = arms.ARMS[arm]["method"]
+            _sweep(root, name, method, masked=0.005 if arm == "m2po" else None)
+            assert value in arms.collect(str(root))[arm]
+    assert arms.next_sweeps(str(root)) == []
+    with pytest.raises(ValueError, match="not one of the listed values"):
+        arms.sweep_command(str(root), "tight", 0.2)
+    assert arms.main([str(root)]) == 2
+    assert "give --out" in capsys.readouterr().err
