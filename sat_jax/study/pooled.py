@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from sat_jax.study import report
+from sat_jax.study import report, tables
 from sat_jax.study.calibration import read_rows
 
 
@@ -79,7 +79,8 @@ def markdown(
         "the studies first.",
         "",
         *[
-            f"* `{s}`: seeds {_seeds(seeds[s])} ({sum(r['study'] == s for r in rows)} runs)"
+            f"* `{s}`: seeds {tables.seed_span(seeds[s])} "
+            f"({sum(r['study'] == s for r in rows)} runs)"
             for s in studies
         ],
         "",
@@ -106,13 +107,6 @@ def markdown(
             "",
         ]
     return "\n".join(lines)
-
-
-def _seeds(seeds: Sequence[int]) -> str:
-    """``4–11`` for a run of consecutive seeds, else the list."""
-    if seeds and list(seeds) == list(range(seeds[0], seeds[-1] + 1)) and len(seeds) > 2:
-        return f"{seeds[0]}–{seeds[-1]}"
-    return ", ".join(map(str, seeds))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,6 +31,14 @@ def fmt_paired(p: Mapping[str, Any] | None, digits: int = 3) -> str:
     return s + f" (n={p['n']}, {p['wins']}/{p['n']} up)"
 
 
+def seed_span(seeds: Sequence[int]) -> str:
+    """``4–11`` for a run of three or more consecutive seeds, else the list."""
+    seeds = sorted(seeds)
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}–{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub-flavoured markdown table; ``|`` inside a cell is escaped."""
 
