@@ -109,7 +109,10 @@ ABOUT = {
         "Against transformers (PyTorch)",
         "the training log-prob pass (forward + backward) and KV-cache decoding of "
         "`ModelConfig.tiny()`, ours against transformers' Qwen3-MoE on the same weights, in "
-        "alternating rounds; `*_torch_over_ours` > 1 means ours is faster. With more runnable "
+        "alternating rounds; `*_torch_over_ours` > 1 means ours is faster. Ours runs in two "
+        "layouts: `scan` (the default `scan_unroll=1`, one compiled block body) and `unrolled` "
+        "(`scan_unroll` = the 4 blocks, straight-line code; `*_unrolled_over_scan` < 1: faster). "
+        "With more runnable "
         "processes than cores, torch runs one thread (`--torch-threads 1`): two spin-wait on "
         "each other there.",
     ),

@@ -14,6 +14,13 @@ prompts). Torch uses ``--torch-threads`` threads (2 by default).
 * decode: N new tokens per sequence sampled at temperature 1 with the KV cache (ours
   ``Sampler.init`` + ``decode``, theirs ``generate(do_sample=True, min_new_tokens=N)``).
 
+Ours runs in two layouts of the same weights, timed in the same rounds: ``scan``
+(``ModelConfig``'s default ``scan_unroll=1``: one compiled block body, a ``lax.scan`` over the
+stacked blocks) and ``unrolled`` (``scan_unroll`` = the 4 blocks: straight-line code, as
+transformers' Python loop over its layers runs, and as ``sat-jax train``'s 2-block default
+runs). ``*_torch_over_ours`` is the ``scan`` layout's ratio, ``*_torch_over_ours_unrolled`` the
+other's, and ``*_unrolled_over_scan`` the unrolled layout's time over the scan's (< 1: faster).
+
     python3.11 -m venv /work/venvs/torch && \\
         /work/venvs/torch/bin/pip install torch==2.13.0 transformers safetensors
     PYTHONPATH=$PWD python benchmarks/peers/transformers_model_pass.py \\
@@ -35,6 +42,7 @@ import time
 import numpy as np
 
 PROMPT = 16
+JOBS = ("fwd_bwd", "decode")
 
 
 def _median_s(fn, repeats: int, warm: bool = True) -> float:
@@ -84,6 +92,7 @@ def serve(folder: str, threads: int) -> None:
         )
 
     jobs = {"fwd_bwd": fwd_bwd, "decode": decode}
+    assert tuple(jobs) == JOBS
     info = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -163,41 +172,54 @@ def main() -> None:
     graphdef, params = init_model(config, seed=0)
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, config.vocab_size, size=(args.batch, PROMPT + args.new))
-    sampler = Sampler(
-        config, max_prompt_len=PROMPT, max_new_tokens=args.new, eos_id=config.vocab_size - 1
-    )
     prompts, lengths = tokens[:, :PROMPT], np.full(args.batch, PROMPT)
 
-    def loss(p):
-        logp = token_logprobs(graphdef, p, jnp.asarray(tokens), response_start=PROMPT)[0]
-        return -jnp.sum(logp)
+    def jobs(cfg):
+        """Our fwd+bwd and decode on ``params`` with the program layout of ``cfg``."""
+        g, _ = init_model(cfg, seed=0)  # the graph only: the same parameters run either layout
+        sampler = Sampler(
+            cfg, max_prompt_len=PROMPT, max_new_tokens=args.new, eos_id=cfg.vocab_size - 1
+        )
 
-    grad = jax.jit(jax.value_and_grad(loss))
-    ours = {
-        "fwd_bwd": lambda: jax.block_until_ready(grad(params)),
-        "decode": lambda: jax.block_until_ready(
-            sampler.decode(
-                params,
-                sampler.init(params, prompts, lengths, jax.random.key(1), SamplingParams()),
-            ).tokens
-        ),
+        def loss(p):
+            logp = token_logprobs(g, p, jnp.asarray(tokens), response_start=PROMPT)[0]
+            return -jnp.sum(logp)
+
+        grad = jax.jit(jax.value_and_grad(loss))
+        return {
+            "fwd_bwd": lambda: jax.block_until_ready(grad(params)),
+            "decode": lambda: jax.block_until_ready(
+                sampler.decode(
+                    params,
+                    sampler.init(params, prompts, lengths, jax.random.key(1), SamplingParams()),
+                ).tokens
+            ),
+        }
+
+    layouts = {
+        "scan": jobs(config),
+        "unrolled": jobs(config.replace(scan_unroll=config.num_layers)),
     }
     with tempfile.TemporaryDirectory() as folder:
         save_hf(folder, config, params)
         np.save(os.path.join(folder, "tokens.npy"), tokens)
         peer = Peer(args.torch_python, folder, args.torch_threads)
-        rounds = {f"{side}_{job}": [] for side in ("ours", "torch") for job in ours}
+        sides = ("torch", *layouts)
+        rounds = {f"{side}_{job}": [] for side in sides for job in JOBS}
         try:
             for i in range(args.rounds):
-                for job, fn in ours.items():
+                for job in JOBS:
                     print(f"round {i + 1}/{args.rounds}: {job}", file=sys.stderr, flush=True)
-                    rounds[f"ours_{job}"].append(_median_s(fn, args.repeats, warm=i == 0))
+                    # Each round alternates which of our layouts runs first.
+                    for name in list(layouts)[:: 1 if i % 2 == 0 else -1]:
+                        fn = layouts[name][job]
+                        rounds[f"{name}_{job}"].append(_median_s(fn, args.repeats, warm=i == 0))
                     rounds[f"torch_{job}"].append(peer.time(job, args.repeats, warm=i == 0))
         finally:
             peer.close()
 
-    def ratio(job):  # > 1: ours faster; median over rounds of back-to-back pairs
-        pairs = np.array(rounds[f"torch_{job}"]) / np.array(rounds[f"ours_{job}"])
+    def ratio(job, num, den):  # median over rounds of the same round's pair
+        pairs = np.array(rounds[f"{num}_{job}"]) / np.array(rounds[f"{den}_{job}"])
         return round(float(np.median(pairs)), 3)
 
     decode_tokens = args.batch * args.new
@@ -211,13 +233,14 @@ def main() -> None:
         "rounds": args.rounds,
         "repeats": args.repeats,
         "peer": peer.info,
-        "fwd_bwd_ms": {"ours": med["ours_fwd_bwd"] * 1e3, "torch": med["torch_fwd_bwd"] * 1e3},
-        "decode_tokens_per_s": {
-            "ours": decode_tokens / med["ours_decode"],
-            "torch": decode_tokens / med["torch_decode"],
+        "fwd_bwd_ms": {side: med[f"{side}_fwd_bwd"] * 1e3 for side in sides},
+        "decode_tokens_per_s": {side: decode_tokens / med[f"{side}_decode"] for side in sides},
+        **{
+            f"{job}_torch_over_ours{suffix}": ratio(job, "torch", name)
+            for job in JOBS
+            for name, suffix in (("scan", ""), ("unrolled", "_unrolled"))
         },
-        "fwd_bwd_torch_over_ours": ratio("fwd_bwd"),
-        "decode_torch_over_ours": ratio("decode"),
+        **{f"{job}_unrolled_over_scan": ratio(job, "unrolled", "scan") for job in JOBS},
     }
     print(json.dumps(out, indent=1))
     _results.write("transformers_model_pass", out)
