@@ -7,8 +7,10 @@ held-out prompts × 8) once per decode layout (``sat_jax.rl.rollout.DECODE_LAYOU
 ``VERSIONS_LAYOUT``): ``per_call`` (the old path: evaluation in training-shaped calls, one
 decode per behaviour version), ``merged`` (the default: large evaluation calls of one shape, one
 decode per behaviour version) and, with ``--layouts per_call,merged,vmapped``, ``vmapped``
-(large evaluation calls, every version of a sampled-lag batch in one vmap'd decode), alternating
-``--rounds`` times, in two settings:
+(large evaluation calls, every version of a sampled-lag batch in one vmap'd decode), and with
+``prefetch`` in ``--layouts``, ``prefetch`` (merged, with ``rollout.prefetch``: batch s + 1 rolled
+out on a second CPU device, ``mesh.rollout_device=1``, while the trainer runs step s on the
+first), alternating ``--rounds`` times, in two settings:
 
 * ``fixed``: study 1, a fixed lag of 4 (``--lag``);
 * ``sampled``: study 2's setting, a Zipf-distributed lag per group (mean 8, cap 32, lr 4e-5).
@@ -18,9 +20,12 @@ Per run it prints the wall time and its phases: ``build`` (data, model, cached w
 phases below, each of which includes its own), ``rollout_decode`` (compiled decoding),
 ``rollout_host`` (tokenising, scoring, batch assembly), ``train_step``, ``eval``, ``metrics``
 (the per-step statistics and logs) and ``other`` (the rest: publishing versions, checkpoints,
-plots). ``new_over_old`` is merged wall time over per-call wall time (``vmapped_over_old``
-likewise), without ``build``, per setting (best round of each); below 1 the new layout is
-faster. ``eval_max_abs_diff`` is the largest difference of a held-out metric between the layouts
+plots). ``new_over_old`` is merged wall time over per-call wall time (``vmapped_over_old`` and
+``prefetch_over_old`` likewise, ``prefetch_over_new`` prefetch over merged), without ``build``,
+per setting (best round of each); below 1 the new layout is faster. The process has two CPU
+devices (``--xla_force_host_platform_device_count=2``); every layout but ``prefetch`` trains and
+samples on the first (``mesh.data=1``), as a one-device run does.
+``eval_max_abs_diff`` is the largest difference of a held-out metric between the layouts
 (the same keys draw the same tokens; a bfloat16 engine's rounding can move a rare token).
 
 The warm-up is trained on the first run of a seed (600 supervised steps) and cached in
@@ -37,21 +42,29 @@ import os
 import tempfile
 import time
 
-import _results
-import jax
-import numpy as np
+# Two CPU devices before JAX starts: the prefetch layout samples on the second.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+).strip()
 
-from sat_jax.rl import rollout
-from sat_jax.run.metrics import read_metrics
-from sat_jax.study.grid import expand, grids
-from sat_jax.train import learner
+import _results  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from sat_jax.rl import rollout  # noqa: E402
+from sat_jax.run.metrics import read_metrics  # noqa: E402
+from sat_jax.study.grid import expand, grids  # noqa: E402
+from sat_jax.train import learner  # noqa: E402
 
 #: layout name -> (rollout.DECODE_LAYOUT, rollout.VERSIONS_LAYOUT)
 LAYOUTS = {
     "per_call": ("per_call", "per_version"),
     "merged": ("merged", "per_version"),
     "vmapped": ("merged", "vmapped"),
+    "prefetch": ("merged", "per_version"),
 }
+#: Config fields per layout (the others: the trainer and the engine on the first device).
+LAYOUT_FIELDS = {"prefetch": {"rollout.prefetch": True, "mesh.rollout_device": 1}}
 SETTINGS = {
     "fixed": {"lag_mode": "fixed"},
     "sampled": {
@@ -100,11 +113,12 @@ def _patched(obj, name, value):
         setattr(obj, name, old)
 
 
-def _config(setting: str, workdir: str, args):
+def _config(setting: str, layout: str, workdir: str, args):
     (_, c), *_ = expand(grids()["stale"], workdir)
     c.seed = args.seed
     c.lag = args.lag
-    for key, value in SETTINGS[setting].items():
+    c.mesh.data = 1
+    for key, value in {**SETTINGS[setting], **LAYOUT_FIELDS.get(layout, {})}.items():
         node, *path = c, *key.split(".")
         for part in path[:-1]:
             node = node[part]
@@ -133,7 +147,7 @@ def run(setting: str, layout: str, clock: _Clock, args) -> dict:
         record = clock.timed("metrics", learner._Session.record)
         stack.enter_context(_patched(learner._Session, "record", record))
         t0 = time.perf_counter()
-        summary = learner.train(_config(setting, tmp, args), quiet=True)
+        summary = learner.train(_config(setting, layout, tmp, args), quiet=True)
         wall = time.perf_counter() - t0
         rows = read_metrics(summary["workdir"])
     evals = {
@@ -199,7 +213,7 @@ def main() -> None:
         ap.error(f"--settings must name some of {sorted(SETTINGS)}, got {args.settings!r}")
     layouts = [x for x in args.layouts.split(",") if x]
     if layouts[:2] != ["per_call", "merged"] or not set(layouts) <= set(LAYOUTS):
-        ap.error(f"--layouts must be per_call,merged[,vmapped], got {args.layouts!r}")
+        ap.error(f"--layouts must be per_call,merged[,vmapped][,prefetch], got {args.layouts!r}")
     clock = _Clock()
     out = {
         "config": f"grid stale (configs/studies/stale.py) arm gspo, seed {args.seed}, "
@@ -229,8 +243,16 @@ def main() -> None:
             "eval_max_abs_diff": _max_abs_diff(best["per_call"]["evals"], best["merged"]["evals"]),
             **({"per_round": rounds} if args.rounds > 1 else {}),
         }
-        if "vmapped" in best:
-            out[setting]["vmapped"] = best["vmapped"]
+        for layout in ("vmapped", "prefetch"):
+            if layout in best:
+                out[setting][layout] = best[layout]
+        if "prefetch" in best:
+            out[setting]["prefetch_over_new"] = round(
+                best["prefetch"]["wall_without_build_s"] / best["merged"]["wall_without_build_s"], 3
+            )
+            out[setting]["prefetch_eval_max_abs_diff"] = _max_abs_diff(
+                best["merged"]["evals"], best["prefetch"]["evals"]
+            )
     _results.write("study_run", out)
     print(json.dumps(out, indent=1))
 

@@ -121,6 +121,12 @@ def get_config() -> ml_collections.ConfigDict:
     # Seconds the trainer waits for the stream worker's next batch before it fails (the first
     # wait includes the worker's compilation).
     c.rollout.stream_timeout_s = 600.0
+    # fixed / broadcast / sampled lag: roll out batch s + 1 while the trainer runs step s, when
+    # batch s + 1 reads only versions published before that step (every lag >= 1). The same
+    # batches, keys and updates as without it; with mesh.rollout_device on another device than
+    # the trainer (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2) the rollout and
+    # the train step run at the same time, on one device only the host's scoring overlaps.
+    c.rollout.prefetch = False
 
     # Asynchrony (Section 4.4).
     c.lag_mode = "broadcast"  # fixed | broadcast | sampled | stream

@@ -56,6 +56,7 @@ RESUMABLE = (
     "sft.cache_dir",
     "optim.max_nonfinite_steps",
     "rollout.stream_timeout_s",
+    "rollout.prefetch",
 )
 
 _CORRECTION_OFF = "none"
@@ -390,6 +391,13 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
     chunk = r.prefill_chunk
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
         _fail(f"rollout.prefill_chunk must be an int >= 0 (0: one call), got {chunk!r}")
+    if not isinstance(r.prefetch, bool):
+        _fail(f"rollout.prefetch must be True or False, got {r.prefetch!r}")
+    if r.prefetch and config.lag_mode == "stream":
+        _fail(
+            "rollout.prefetch=True needs lag_mode fixed, broadcast or sampled: stream mode "
+            "already decodes on its own thread"
+        )
     if r.engine == "continuous" and r.router_noise:
         _fail(
             f"rollout.router_noise={r.router_noise} needs rollout.engine=static: the noise is "

@@ -149,6 +149,19 @@ class ScheduledRollouts:
     def start(self) -> None:
         pass
 
+    def newest_read(self, step: int) -> int:
+        """The newest parameter version ``next(step)`` may sample from: batch ``step + 1`` can
+        be rolled out while the trainer makes version ``step + 1`` when this is at most
+        ``step`` (every lag ≥ 1; ``rollout.prefetch``)."""
+        if self.schedule.mode == "sampled":  # lags are drawn from 1 … cap
+            return max(step - 1, 0)
+        return self.schedule.version_for(step)
+
+    def position(self) -> Any:
+        """Where the prompt iterator stands (``state``'s ``"iterator"``): saved before a
+        prefetched ``next``, so a checkpoint taken while its batch waits resumes before it."""
+        return prompt_position(self.prompts)
+
     def next(self, step: int) -> Rollout:
         if self.schedule.mode == "sampled":
             return self._next_sampled(step)

@@ -28,9 +28,11 @@ starts over.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -302,6 +304,16 @@ def combine_updates(updates: list[dict]) -> dict[str, float]:
     return out
 
 
+@dataclasses.dataclass
+class _Prefetched:
+    """Batch ``step``, rolled out while the trainer ran step ``step - 1`` (``rollout.prefetch``),
+    and where the prompt iterator stood before it was drawn (what a checkpoint saves)."""
+
+    step: int
+    rollout: Rollout
+    position: Any
+
+
 class _Session:
     """One training session: the run's parts, state, rollout source, logs and checkpoints."""
 
@@ -370,10 +382,44 @@ class _Session:
         self.nonfinite = NonFiniteGuard(config.optim.max_nonfinite_steps)
         self.history: list[dict[str, float]] = []
         self.eval_result = None
+        self.pending: _Prefetched | None = None
 
-    def update(self, rollout: Rollout, step: int) -> dict[str, float]:
+    def rollout(self, step: int) -> Rollout:
+        """Batch ``step``: the one prefetched during the last step, else drawn now."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return self.source.next(step)
+        if pending.step != step:
+            raise RuntimeError(f"batch {pending.step} was prefetched, but step {step} runs")
+        # The snapshot memory as a batch drawn now would log it (after the last publish).
+        pending.rollout.metrics.update(self.source.store.memory())
+        return pending.rollout
+
+    def prefetch(self, step: int) -> None:
+        """Rolls out batch ``step`` now, while the trainer makes version ``step`` (its updates
+        are dispatched), when ``rollout.prefetch`` is on and the batch reads only versions
+        already published (``ScheduledRollouts.newest_read``): the same batch, drawn earlier."""
+        source = self.source
+        if not (
+            self.config.rollout.prefetch
+            and step < self.end
+            and isinstance(source, ScheduledRollouts)
+            and source.newest_read(step) < step
+        ):
+            return
+        position = source.position()
+        rollout = source.next(step)
+        # Its compiled time lies inside the train step's compiled section, which timed it.
+        rollout = dataclasses.replace(rollout, compiled_seconds=0.0)
+        rollout.metrics["rollout/prefetched"] = 1.0
+        self.pending = _Prefetched(step, rollout, position)
+
+    def update(
+        self, rollout: Rollout, step: int, during: Callable[[], None] | None = None
+    ) -> dict[str, float]:
         """The optimizer updates of one batch (minibatches × updates_per_batch) at training step
-        ``step``, whose parameters are version ``step`` (the batch's versions count the same)."""
+        ``step``, whose parameters are version ``step`` (the batch's versions count the same).
+        ``during`` runs once the updates are dispatched, before their metrics are read."""
         extra = dict(rollout.behaviour)
         if self.parts.spec.needs_ref:
             extra["ref"] = self.ref_params
@@ -386,6 +432,8 @@ class _Session:
                     self.state, mb.shard(self.parts.mesh), extra, share=share, version=step
                 )
                 updates.append(metrics)
+        if during is not None:
+            during()
         return combine_updates(parallel.to_host(updates))
 
     def check_finite(self, step: int, train: dict[str, float]) -> None:
@@ -452,6 +500,8 @@ class _Session:
         # Host batches differ per process, and orbax writes host arrays from the primary only:
         # a multi-host run saves none (the source counts them as discarded, drawn again).
         arrays, source_meta = self.source.state(batches=jax.process_count() == 1)
+        if self.pending is not None:  # its batch is drawn again after a resume
+            source_meta["iterator"] = self.pending.position
         meta = {
             "step": step,
             "iterator": source_meta.pop("iterator"),
@@ -589,11 +639,13 @@ def _train(
                 s.source.start()
                 for step in range(s.start, s.end):
                     t0 = time.perf_counter()
-                    rollout = s.source.next(step)
+                    rollout = s.rollout(step)
                     s.timer.add_compiled(rollout.compiled_seconds)
                     t1 = time.perf_counter()
                     with s.timer.compiled_section():
-                        train_metrics = s.update(rollout, step)
+                        train_metrics = s.update(
+                            rollout, step, during=lambda step=step: s.prefetch(step + 1)
+                        )
                     train_s = time.perf_counter() - t1
                     s.source.publish(step + 1, s.state.params)
                     s.record(step, rollout, train_metrics, train_s, time.perf_counter() - t0)
