@@ -80,10 +80,16 @@ ABOUT = {
         "one arm and seed; study 1's "
         "fixed lag and study 2's sampled lag) with the per-call decode layout (evaluation in "
         "training-shaped calls), the merged one (large evaluation calls of one shape; the "
-        "default) and, for the sampled lag, the vmapped one (every version of a batch in one "
-        "vmap'd decode), one decode per behaviour version otherwise, in alternating runs: wall "
-        "time, its phases (compile overlaps the others), `new_over_old` (merged over per-call "
-        "wall time without the build; < 1: faster) and `vmapped_over_old`.",
+        "default), for the sampled lag the vmapped one (every version of a batch in one "
+        "vmap'd decode; one decode per behaviour version otherwise) and the prefetch one "
+        "(merged, with `rollout.prefetch`: batch s + 1 decoded on a second CPU device while the "
+        "trainer runs step s on the first), in alternating runs: wall time, its phases (compile "
+        "overlaps the others; with prefetch the rollout and train phases overlap each other), "
+        "`new_over_old` (merged over per-call wall time without the build; < 1: faster), "
+        "`vmapped_over_old`, `prefetch_over_old` and `prefetch_over_new`. The runs move by about "
+        "15% from one to the next on this machine (merged and per-call decode training batches "
+        "the same way, yet their rollout phases differ by that much), so ratios within that are "
+        "noise.",
     ),
     "grid_cache": (
         "A study grid with the persistent compilation cache",
