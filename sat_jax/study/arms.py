@@ -223,17 +223,37 @@ def sweep_command(root: str, arm: str, value: float) -> list[str]:
     return cmd
 
 
-def next_sweeps(root: str) -> list[list[str]]:
+def next_sweeps(root: str, by_seed: bool = False) -> list[list[str]]:
     """The commands of every sweep a rule still waits for (arms in :data:`ORDER`, values in the
     plan's order); empty once every arm is decided. A half-finished sweep is listed too: its
-    command resumes it."""
+    command resumes it.
+
+    ``by_seed``: only the next round of a seed-by-seed order, the sweeps still without the
+    lowest seed any of them lacks, each command with ``--seeds`` up to that seed (it runs that
+    seed alone; the finished ones are skipped). Run round after round, every seed's runs of all
+    the sweeps come one after another, so they share one machine (and one warm-up) unless a
+    session ends in the middle of a round."""
     found, binding = collect(root), sat_binding_rate(root)
-    out = []
+    waiting = []
     for arm in ORDER:
         outcome = decide(arm, found[arm], binding)
         if outcome["status"] == "waiting":
-            out += [sweep_command(root, arm, v) for v in outcome["missing"]]
-    return out
+            waiting += [(arm, v) for v in outcome["missing"]]
+    if not by_seed:
+        return [sweep_command(root, arm, v) for arm, v in waiting]
+
+    def next_seed(arm, value):
+        done = set(found[arm].get(value, {}).get("seeds", []))
+        return min(set(range(SEEDS)) - done, default=SEEDS)
+
+    if not waiting:
+        return []
+    seed = min(next_seed(arm, v) for arm, v in waiting)
+    return [
+        sweep_command(root, arm, v) + ["--seeds", str(seed + 1)]
+        for arm, v in waiting
+        if next_seed(arm, v) == seed
+    ]
 
 
 def sat_binding_rate(root: str) -> float:
@@ -302,12 +322,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="print the command of every sweep a rule still waits for, one a line, instead",
     )
+    parser.add_argument(
+        "--by-seed",
+        action="store_true",
+        help="with --next: only the next seed-by-seed round, each command with --seeds",
+    )
     args = parser.parse_args(argv)
     if not os.path.isdir(args.root):
         print(f"arms: no directory {args.root}", file=sys.stderr)
         return 2
     if args.next:
-        for cmd in next_sweeps(args.root):
+        for cmd in next_sweeps(args.root, by_seed=args.by_seed):
             print(shlex.join(cmd))
         return 0
     if not args.out:

@@ -161,3 +161,33 @@ def test_next_lists_the_sweeps_still_to_run_and_each_resolves_to_its_value(tmp_p
         arms.sweep_command(str(root), "tight", 0.2)
     assert arms.main([str(root)]) == 2
     assert "give --out" in capsys.readouterr().err
+
+
+def test_next_by_seed_runs_one_seed_of_every_waiting_sweep_at_a_time(tmp_path, capsys):
+    root = tmp_path / "calib"
+    _setting(root)
+    _sweep(root, "m2po-tau0.04", "m2po_gspo", masked=0.02)  # acts: decided
+    _sweep(root, "bapo-rho0.4", "bapo_gspo", moved=0.5)  # acts: decided
+    # Seed 0 of every ε, seeds 0-1 of κ 0.03; the other κ not run yet.
+    for eps in (0.05, 0.07, 0.1, 0.14):
+        _sweep(root, f"tight-eps{eps}", "gspo_tight", (0.5,))
+    _sweep(root, "age-kappa0.03", "age_clip_gspo", (0.5, 0.5))
+    assert arms.main(["--next", "--by-seed", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # Seed 0 is the lowest missing one: κ 0.1, 0.3 and 1.0 lack it, so they run first.
+    assert [line.split("--out ")[1].split()[0] for line in lines] == [
+        f"{root}/age-kappa{k}" for k in (0.1, 0.3, 1.0)
+    ]
+    assert all(line.endswith(" --seeds 1") for line in lines)
+    for k in (0.1, 0.3, 1.0):
+        _sweep(root, f"age-kappa{k}", "age_clip_gspo", (0.5,))
+    # Then seed 1 of every sweep still without it, κ 0.03 (which has it) left out.
+    cmds = arms.next_sweeps(str(root), by_seed=True)
+    assert [c[c.index("--out") + 1].rsplit("/", 1)[1] for c in cmds] == [
+        "tight-eps0.05", "tight-eps0.07", "tight-eps0.1", "tight-eps0.14",
+        "age-kappa0.1", "age-kappa0.3", "age-kappa1.0",
+    ]  # fmt: skip
+    assert all(c[-2:] == ["--seeds", "2"] for c in cmds)
+    # Without --by-seed every unfinished sweep, each with its plain command.
+    assert len(arms.next_sweeps(str(root))) == 8
+    assert all("--seeds" not in c for c in arms.next_sweeps(str(root)))
