@@ -4,6 +4,7 @@ and the plots under ``DIR/plots``."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -89,8 +90,24 @@ def provenance() -> dict[str, str]:
     run = runner.run_provenance()
     return {
         **{k: run[k] for k in ("commit", "jax", "python", "devices")},
-        "host": f"{platform.node()}, {os.cpu_count()} CPU cores",
+        "host": f"{platform.node()}, {run['cpu']}",
     }
+
+
+def run_cpus(rows, out_dir: str) -> str:
+    """The CPUs the runs of ``rows`` recorded (``provenance.json``; ``run_dir`` relative to
+    ``out_dir``), each with its count: the warm-up's float rounding, and so the base policy,
+    differs between CPU models."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        path = os.path.join(out_dir, r["run_dir"], runner.PROVENANCE_FILE)
+        try:
+            with open(path, encoding="utf-8") as f:
+                cpu = json.load(f).get("cpu", "not recorded")
+        except (OSError, ValueError, KeyError, TypeError):
+            cpu = "not recorded"
+        counts[cpu] = counts.get(cpu, 0) + 1
+    return "; ".join(f"{cpu} ({n} runs)" for cpu, n in sorted(counts.items()))
 
 
 def label(method: str) -> str:
@@ -253,6 +270,7 @@ def _markdown(
         f"- command: `{command}`",
         f"- commit: {prov['commit']}",
         f"- JAX {prov['jax']}, Python {prov['python']}; {prov['devices']}; {prov['host']}",
+        f"- the runs' CPUs: {run_cpus(rows, out_dir)}",
         f"- written: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
         f"- runs: {finished} finished of {total}"
         + (f" ({len(rows) - finished} partial)" if len(rows) > finished else ""),

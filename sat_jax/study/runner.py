@@ -8,10 +8,11 @@ is handed to the learner, which resumes from the latest checkpoint (``config.res
 refuses a workdir holding another config (``learner.ResumeError``).
 
 Every run records the code it ran (:func:`run_provenance`: a digest of the package source, the
-commit, JAX, Python and the CPU) in ``provenance.json`` when it starts and in ``done.json`` when
-it finishes. A study never mixes code versions: a grid whose finished or started runs record
-another code digest than the one running refuses to go on (:class:`MixedCodeError`), so a study's
-runs all come from one program.
+commit, JAX, Python, the other numeric libraries and the CPU model) in ``provenance.json`` when
+it starts and in ``done.json`` when it finishes; a study's report lists the runs' CPU models. A
+study never mixes code versions: a grid whose finished or started runs record another code
+digest than the one running refuses to go on (:class:`MixedCodeError`), so a study's runs all
+come from one program.
 """
 
 from __future__ import annotations
@@ -91,11 +92,29 @@ def _commit(src: str) -> str:
     return commit + (" (with uncommitted changes to sat_jax/)" if dirty else "")
 
 
+#: Libraries whose numerics a run's numbers depend on besides JAX (``run_provenance``).
+NUMERIC_PACKAGES = ("flax", "optax", "numpy", "ml_dtypes", "chex", "orbax-checkpoint")
+
+
+def _package_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    versions = {}
+    for name in NUMERIC_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
 @functools.cache
-def run_provenance() -> dict[str, str]:
+def run_provenance() -> dict[str, Any]:
     """What a run's numbers depend on besides its config: the package's code digest
-    (:func:`code_digest`), the commit, JAX/jaxlib and Python versions, the backend's devices and
-    the CPU."""
+    (:func:`code_digest`), the commit, JAX/jaxlib and Python versions, the versions of the other
+    numeric libraries (:data:`NUMERIC_PACKAGES`), the backend's devices and the CPU model.
+    XLA:CPU's float rounding depends on the CPU, and a long warm-up turns any rounding
+    difference into another policy, so runs of one seed are paired only on one machine."""
     import jax
     import jaxlib
 
@@ -109,6 +128,7 @@ def run_provenance() -> dict[str, str]:
         "python": platform.python_version(),
         "devices": f"{len(devices)} × {devices[0].device_kind} ({jax.default_backend()})",
         "cpu": f"{_cpu_model()}, {os.cpu_count()} cores",
+        "packages": _package_versions(),
     }
 
 

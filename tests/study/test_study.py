@@ -456,7 +456,9 @@ def test_every_run_records_its_code_and_a_study_refuses_to_mix_code(tmp_path, mo
         recorded = json.load(f)["provenance"]
     here = runner.run_provenance()
     assert recorded == here and len(here["code"]) == 16
-    assert {"commit", "jax", "jaxlib", "python", "devices", "cpu"} <= set(here)
+    assert {"commit", "jax", "jaxlib", "python", "devices", "cpu", "packages"} <= set(here)
+    assert set(here["packages"]) == set(runner.NUMERIC_PACKAGES)
+    assert here["packages"]["flax"] != "not installed"
     # Another program (any change to the package source) may not add runs to this study.
     monkeypatch.setattr(runner, "run_provenance", lambda: {**here, "code": "0123456789abcdef"})
     with pytest.raises(runner.MixedCodeError, match=runs[0][0].name):

@@ -9,6 +9,7 @@ from _study_cli import invoke
 from _tiny_models import TINY_RUN
 from _traces import compiles_of
 
+from sat_jax.study import runner
 from sat_jax.train import components, learner
 
 TINY = [*TINY_RUN, "num_steps=2", "sft.steps=3", "sft.batch_size=16", "eval.every=2"]
@@ -46,6 +47,8 @@ def test_toy_grid_trains_shares_the_step_and_resumes(tmp_path, monkeypatch, caps
     assert (step.traces, step.lowerings) == (1, 1)
     md = (out / "results.md").read_text()
     assert "| GRPO | 2 | 0.0001 | 1 |" in md and "2 runs trained, 0 already finished" in md
+    # The CPU each run recorded (the warm-up, and so the pairing, depends on it).
+    assert f"- the runs' CPUs: {runner.run_provenance()['cpu']} (2 runs)" in md
     assert len((out / "results.csv").read_text().splitlines()) == 3
     assert (out / "plots" / "accuracy.png").is_file()
 
