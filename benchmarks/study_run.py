@@ -10,7 +10,9 @@ decode per behaviour version) and, with ``--layouts per_call,merged,vmapped``, `
 (large evaluation calls, every version of a sampled-lag batch in one vmap'd decode), and with
 ``prefetch`` in ``--layouts``, ``prefetch`` (merged, with ``rollout.prefetch``: batch s + 1 rolled
 out on a second CPU device, ``mesh.rollout_device=1``, while the trainer runs step s on the
-first), alternating ``--rounds`` times, in two settings:
+first) and ``spread`` (merged, with ``rollout.decode_devices=2``: a sampled-lag batch's versions
+decoded in turn on the two CPU devices, all dispatched before any is read; sampled lag only),
+alternating ``--rounds`` times, in two settings:
 
 * ``fixed``: study 1, a fixed lag of 4 (``--lag``);
 * ``sampled``: study 2's setting, a Zipf-distributed lag per group (mean 8, cap 32, lr 4e-5).
@@ -21,10 +23,11 @@ phases below, each of which includes its own), ``rollout_decode`` (compiled deco
 ``rollout_host`` (tokenising, scoring, batch assembly), ``train_step``, ``eval``, ``metrics``
 (the per-step statistics and logs) and ``other`` (the rest: publishing versions, checkpoints,
 plots). ``new_over_old`` is merged wall time over per-call wall time (``vmapped_over_old`` and
-``prefetch_over_old`` likewise, ``prefetch_over_new`` prefetch over merged), without ``build``,
-per setting (best round of each); below 1 the new layout is faster. The process has two CPU
-devices (``--xla_force_host_platform_device_count=2``); every layout but ``prefetch`` trains and
-samples on the first (``mesh.data=1``), as a one-device run does.
+``prefetch_over_old`` likewise; ``prefetch_over_new`` and ``spread_over_new`` over merged),
+without ``build``, per setting (best round of each); below 1 the new layout is faster. The
+process has two CPU devices (``--xla_force_host_platform_device_count=2``); every layout but
+``prefetch`` and ``spread`` trains and samples on the first (``mesh.data=1``), as a one-device
+run does.
 ``eval_max_abs_diff`` is the largest difference of a held-out metric between the layouts
 (the same keys draw the same tokens; a bfloat16 engine's rounding can move a rare token).
 
@@ -62,9 +65,13 @@ LAYOUTS = {
     "merged": ("merged", "per_version"),
     "vmapped": ("merged", "vmapped"),
     "prefetch": ("merged", "per_version"),
+    "spread": ("merged", "per_version"),
 }
 #: Config fields per layout (the others: the trainer and the engine on the first device).
-LAYOUT_FIELDS = {"prefetch": {"rollout.prefetch": True, "mesh.rollout_device": 1}}
+LAYOUT_FIELDS = {
+    "prefetch": {"rollout.prefetch": True, "mesh.rollout_device": 1},
+    "spread": {"rollout.decode_devices": 2},
+}
 SETTINGS = {
     "fixed": {"lag_mode": "fixed"},
     "sampled": {
@@ -213,7 +220,10 @@ def main() -> None:
         ap.error(f"--settings must name some of {sorted(SETTINGS)}, got {args.settings!r}")
     layouts = [x for x in args.layouts.split(",") if x]
     if layouts[:2] != ["per_call", "merged"] or not set(layouts) <= set(LAYOUTS):
-        ap.error(f"--layouts must be per_call,merged[,vmapped][,prefetch], got {args.layouts!r}")
+        ap.error(
+            "--layouts must be per_call,merged and any of vmapped, prefetch, spread, got "
+            f"{args.layouts!r}"
+        )
     clock = _Clock()
     out = {
         "config": f"grid stale (configs/studies/stale.py) arm gspo, seed {args.seed}, "
@@ -225,9 +235,11 @@ def main() -> None:
         "rounds": args.rounds,
     }
     for setting in settings:
-        rounds: dict[str, list[dict]] = {layout: [] for layout in layouts}
+        # decode_devices spreads a sampled-lag batch's versions: a fixed lag has one.
+        here = [x for x in layouts if not (x == "spread" and setting == "fixed")]
+        rounds: dict[str, list[dict]] = {layout: [] for layout in here}
         for i in range(args.rounds):
-            for layout in layouts if i % 2 == 0 else layouts[::-1]:
+            for layout in here if i % 2 == 0 else here[::-1]:
                 rounds[layout].append(run(setting, layout, clock, args))
         best = {k: min(v, key=lambda r: r["wall_without_build_s"]) for k, v in rounds.items()}
         out[setting] = {
@@ -238,21 +250,23 @@ def main() -> None:
                     best[layout]["wall_without_build_s"] / best["per_call"]["wall_without_build_s"],
                     3,
                 )
-                for layout in layouts[1:]
+                for layout in here[1:]
             },
             "eval_max_abs_diff": _max_abs_diff(best["per_call"]["evals"], best["merged"]["evals"]),
             **({"per_round": rounds} if args.rounds > 1 else {}),
         }
-        for layout in ("vmapped", "prefetch"):
+        for layout in ("vmapped", "prefetch", "spread"):
             if layout in best:
                 out[setting][layout] = best[layout]
-        if "prefetch" in best:
-            out[setting]["prefetch_over_new"] = round(
-                best["prefetch"]["wall_without_build_s"] / best["merged"]["wall_without_build_s"], 3
-            )
-            out[setting]["prefetch_eval_max_abs_diff"] = _max_abs_diff(
-                best["merged"]["evals"], best["prefetch"]["evals"]
-            )
+        for layout in ("prefetch", "spread"):
+            if layout in best:
+                out[setting][f"{layout}_over_new"] = round(
+                    best[layout]["wall_without_build_s"] / best["merged"]["wall_without_build_s"],
+                    3,
+                )
+                out[setting][f"{layout}_eval_max_abs_diff"] = _max_abs_diff(
+                    best["merged"]["evals"], best[layout]["evals"]
+                )
     _results.write("study_run", out)
     print(json.dumps(out, indent=1))
 

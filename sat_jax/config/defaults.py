@@ -127,6 +127,11 @@ def get_config() -> ml_collections.ConfigDict:
     # the trainer (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2) the rollout and
     # the train step run at the same time, on one device only the host's scoring overlaps.
     c.rollout.prefetch = False
+    # sampled lag: the behaviour versions of a batch are decoded in turn on this many local
+    # devices (1: all on the engine's), every decode dispatched before any is read. The same
+    # program on another device: the same samples. On a CPU the devices are
+    # XLA_FLAGS=--xla_force_host_platform_device_count=N, with mesh.data=1 for the trainer.
+    c.rollout.decode_devices = 1
 
     # Asynchrony (Section 4.4).
     c.lag_mode = "broadcast"  # fixed | broadcast | sampled | stream

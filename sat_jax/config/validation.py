@@ -57,6 +57,7 @@ RESUMABLE = (
     "optim.max_nonfinite_steps",
     "rollout.stream_timeout_s",
     "rollout.prefetch",
+    "rollout.decode_devices",
 )
 
 _CORRECTION_OFF = "none"
@@ -393,6 +394,16 @@ def _check_rollout(config, num_devices: int, num_processes: int) -> None:
         _fail(f"rollout.prefill_chunk must be an int >= 0 (0: one call), got {chunk!r}")
     if not isinstance(r.prefetch, bool):
         _fail(f"rollout.prefetch must be True or False, got {r.prefetch!r}")
+    k = r.decode_devices
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_devices:
+        _fail(
+            f"rollout.decode_devices must be an int in [1, {num_devices}] (the devices), got {k!r}"
+        )
+    if k > 1 and (config.lag_mode != "sampled" or config.mesh.rollout_device >= 0):
+        _fail(
+            f"rollout.decode_devices={k} spreads a sampled-lag batch's versions over devices: it "
+            "needs lag_mode=sampled and mesh.rollout_device=-1"
+        )
     if r.prefetch and config.lag_mode == "stream":
         _fail(
             "rollout.prefetch=True needs lag_mode fixed, broadcast or sampled: stream mode "

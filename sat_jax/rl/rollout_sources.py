@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -124,6 +124,9 @@ class ScheduledRollouts:
       needs_old: hand the behaviour version's parameters to the trainer.
       placement: the store's ``"device"`` or ``"host"``.
       view: maps stored parameters to the copy the engine samples from.
+      decode_devices: sampled lag only: the devices a batch's behaviour versions are decoded
+        on, in turn, all dispatched before any is read (None: the view's device, one version
+        after another).
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class ScheduledRollouts:
         needs_old: bool,
         placement: str = "device",
         view: Callable[[Any], Any] = lambda params: params,
+        decode_devices: Sequence[Any] | None = None,
     ):
         if schedule.mode == "stream":
             raise ValueError(
@@ -144,6 +148,7 @@ class ScheduledRollouts:
             )
         self.engine, self.schedule, self.prompts, self.seed = engine, schedule, prompts, seed
         self.needs_old, self.view = needs_old, view
+        self.decode_devices = list(decode_devices) if decode_devices else None
         self.store = SnapshotStore(schedule.capacity, placement)
 
     def start(self) -> None:
@@ -216,6 +221,14 @@ class ScheduledRollouts:
                 keys + keys[-1:] * pad,
                 distinct + distinct[-1:] * pad,
             )[: len(distinct)]
+        elif self.decode_devices:
+            # Version i on device i mod k, every decode dispatched before any is read: XLA runs
+            # one device's programs one at a time, but different devices' at once.
+            outs = []
+            for i, (v, examples_v, key) in enumerate(zip(distinct, chosen, keys, strict=True)):
+                device = self.decode_devices[i % len(self.decode_devices)]
+                params = jax.device_put(self.view(self.store.get(v)), device)
+                outs.append(self.engine.generate(params, examples_v, key, v))
         else:
             outs = []
             for v, examples_v, key in zip(distinct, chosen, keys, strict=True):

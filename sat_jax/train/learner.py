@@ -116,7 +116,11 @@ def make_source(config, parts: Components, prompts, *, first_step: int) -> Rollo
             timeout=config.rollout.stream_timeout_s,
             **common,
         )
-    return ScheduledRollouts(parts.engine, parts.schedule, prompts, config.seed, **common)
+    k = config.rollout.decode_devices
+    devices = jax.local_devices()[:k] if k > 1 else None
+    return ScheduledRollouts(
+        parts.engine, parts.schedule, prompts, config.seed, decode_devices=devices, **common
+    )
 
 
 def _eval(config, parts: Components, params, step: int) -> dict[str, float]:

@@ -211,6 +211,30 @@ def test_prefetch_rolls_out_the_same_batches_and_resumes_before_a_waiting_one(
     _same_rows(rows(tmp_path / "reference"), rows(tmp_path / "prefetch"))
 
 
+def test_versions_decoded_on_several_devices_give_the_same_run(tmp_path, cache_dir):
+    """rollout.decode_devices: a sampled-lag batch's versions decoded in turn on 3 devices, all
+    dispatched before any is read, log every number of the run on one; other modes refuse it."""
+
+    def config_for(name, k):
+        c = tiny(config_lib.get_config(), tmp_path / name, cache_dir)
+        c.lag_mode, c.lag, c.lag_dist, c.lag_cap, c.num_steps = "sampled", 2, "zipf", 3, 5
+        c.rollout.decode_devices, c.eval.every = k, 5
+        return c
+
+    one = learner.train(config_for("one", 1), quiet=True)
+    three = learner.train(config_for("three", 3), quiet=True)
+    assert max(h["rollout/versions"] for h in three["history"]) >= 2  # something to spread
+    _same_rows(_train_rows(tmp_path / "one"), _train_rows(tmp_path / "three"))
+    assert one["final_eval"] == three["final_eval"]
+    bad = config_for("bad", 2)
+    bad.lag_mode = "fixed"
+    with pytest.raises(ValueError, match="rollout.decode_devices=2 spreads"):
+        learner.train(bad, quiet=True)
+    bad = config_for("bad", 9)
+    with pytest.raises(ValueError, match=r"decode_devices must be an int in \[1, 8\]"):
+        learner.train(bad, quiet=True)
+
+
 def test_prefetch_is_refused_in_stream_mode(tmp_path, cache_dir):
     config = tiny(config_lib.get_config(), tmp_path / "run", cache_dir)
     config.lag_mode, config.lag, config.rollout.prefetch = "stream", 2, True
