@@ -221,19 +221,18 @@ class ScheduledRollouts:
                 keys + keys[-1:] * pad,
                 distinct + distinct[-1:] * pad,
             )[: len(distinct)]
-        elif self.decode_devices:
-            # Version i on device i mod k, every decode dispatched before any is read: XLA runs
-            # one device's programs one at a time, but different devices' at once.
-            outs = []
-            for i, (v, examples_v, key) in enumerate(zip(distinct, chosen, keys, strict=True)):
-                device = self.decode_devices[i % len(self.decode_devices)]
-                params = jax.device_put(self.view(self.store.get(v)), device)
-                outs.append(self.engine.generate(params, examples_v, key, v))
         else:
-            outs = []
-            for v, examples_v, key in zip(distinct, chosen, keys, strict=True):
-                outs.append(self.engine.generate(self.view(self.store.get(v)), examples_v, key, v))
-                jax.block_until_ready(outs[-1].tokens)
+            # With decode_devices, version i on device i mod k and every decode dispatched
+            # before any is read: XLA runs one device's programs one at a time, but different
+            # devices' at once.
+            outs, devices = [], self.decode_devices
+            for i, (v, examples_v, key) in enumerate(zip(distinct, chosen, keys, strict=True)):
+                params = self.view(self.store.get(v))
+                if devices:
+                    params = jax.device_put(params, devices[i % len(devices)])
+                outs.append(self.engine.generate(params, examples_v, key, v))
+                if not devices:
+                    jax.block_until_ready(outs[-1].tokens)
         jax.block_until_ready([out.tokens for out in outs])
         generate_s = time.perf_counter() - t1
         g = self.engine.group_size
