@@ -13,7 +13,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-SUITE = '''
+SUITE = """
 import os
 import pathlib
 
@@ -39,7 +39,7 @@ def test_fails_plainly():
 def test_errors_plainly():
     _count("error.count")
     raise RuntimeError("a plain error")
-'''
+"""
 
 
 def _makefile_flags():
