@@ -103,7 +103,8 @@ class Attention(nnx.Module):
 
     Slots: query t of a call sits at slot ``cache_index + t``; key slot j is visible to it when
     j ≤ slot and ``kv_mask[b, j]``, or j is the query's own slot (so a padding query never has an
-    empty row). Without a cache, the keys are the call's own tokens and ``cache_index`` is 0.
+    empty row); a [B, T, S] ``kv_mask`` gives each query's visible slots directly. Without a
+    cache, the keys are the call's own tokens and ``cache_index`` is 0.
 
     ``rope`` is the (cos, sin) pair of ``rotary_tables`` for the call's positions.
     ``shared_prefix`` = (G, P): x is in ``Transformer``'s shared-prefix layout (no cache), and
@@ -172,11 +173,15 @@ class Attention(nnx.Module):
 
 
 def _causal_allowed(t: int, s: int, kv_mask: jax.Array, offset=0) -> jax.Array:
-    """[B, t, s] bool: query i (slot offset + i) sees key slot j ≤ its slot with kv_mask, and
-    always its own slot (so a padding query never has an empty row)."""
+    """[B, t, s] bool: query i (slot offset + i) sees key slot j ≤ its slot with kv_mask [B, s],
+    and always its own slot (so a padding query never has an empty row). A kv_mask [B, t, s] is
+    each query's visibility as given (slots not in time order): only its own slot is added."""
     q_slot = offset + jnp.arange(t)[:, None]  # [t, 1]
     k_slot = jnp.arange(s)[None, :]  # [1, s]
-    return ((k_slot <= q_slot)[None] & kv_mask[:, None, :]) | (k_slot == q_slot)[None]
+    own = (k_slot == q_slot)[None]
+    if kv_mask.ndim == 3:
+        return kv_mask | own
+    return ((k_slot <= q_slot)[None] & kv_mask[:, None, :]) | own
 
 
 def _shared_prefix_attention(q, k, v, kv_mask, shared_prefix, chunk=0):

@@ -243,7 +243,10 @@ class Transformer(nnx.Module):
             block's row and attends over all S slots.
           cache_index: first cache slot of this call (a traced scalar is fine).
           kv_mask: [B, S] bool, which cache slots hold real tokens (required with ``cache``; it must
-            already mark this call's own slots).
+            already mark this call's own slots); query t then sees the marked slots up to its
+            own (``cache_index + t``). Or [B, T, S]: the slots each query sees, taken as given
+            with no causal rule (its own slot always), for a cache whose slots are not in time
+            order (the continuous engine's ring).
           logits_from: static; compute logits only for positions t ≥ logits_from (saves the LM head
             on prompts).
           return_hidden: static; return the final-normed hidden states in ``hidden`` instead of
@@ -299,7 +302,11 @@ class Transformer(nnx.Module):
             _checks.check_shape("cache.v", cache.v, cache.k.shape)
             if kv_mask is None:
                 raise ValueError("kv_mask is required with cache")
-            _checks.check_shape("kv_mask", kv_mask, (b, cache.k.shape[2]))
+            slots = cache.k.shape[2]
+            if jnp.ndim(kv_mask) == 3:  # each query's own visibility (a ring cache)
+                _checks.check_shape("kv_mask", kv_mask, (b, t, slots))
+            else:
+                _checks.check_shape("kv_mask", kv_mask, (b, slots))
             kv_mask = kv_mask.astype(jnp.bool_)
         if not 0 <= logits_from < t:
             raise ValueError(f"logits_from must lie in [0, {t}), got {logits_from}")

@@ -27,12 +27,12 @@ swap keeps the cache its earlier tokens wrote (as an engine swapping weights in 
 
 Cache layout: all slots feed their token at the same cache column, so one decode step is one
 model call with a scalar ``cache_index`` (the layout the model's attention and cache write
-expect). A window writes columns C − h … C − 1 of a cache of C = P + N + h − 2 columns; after it
-the cache is shifted left by h, so the next window writes the same columns. A sequence admitted
-at a harvest point has its prompt in the P − 1 columns before C − h; it ends after at most N
-steps, so its oldest column never leaves the cache while it decodes. Rotary positions are the
-sequence's own (prompt length − 1 + response position), so the column a key sits in changes
-nothing but the order of masked slots.
+expect). The C = P + N − 1 columns are a ring: decode step t (counted over the session) writes
+column t mod C, for every slot. A sequence admitted before step t0 has its prompt in the P − 1
+columns before t0 (mod C) and writes at most N columns t0 … t0 + N − 1, so while it decodes the
+ring never comes back to a column of its own; nothing is moved between windows. Rotary positions
+are the sequence's own (prompt length − 1 + response position), so the column a key sits in
+changes nothing but the order of masked slots.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class SlotState(NamedTuple):
 
     cache: LayerCache  # [L, S, C, kv_heads, head_dim], engine dtype
     kv_mask: jax.Array  # [S, C] bool: cache columns holding the slot's tokens
+    column: jax.Array  # [] int32: the ring column the next decode step writes
     last: jax.Array  # [S] int32: the token the next step feeds
     prompt_lengths: jax.Array  # [S] int32
     limits: jax.Array  # [S] int32: response tokens the sequence may take
@@ -201,13 +202,13 @@ class ContinuousSampler:
             groups if max_prefill is None else _positive_int("max_prefill", max_prefill)
         )
         self.max_prefill = min(self.max_prefill, groups)
-        p, n, h = max_prompt_len, max_new_tokens, self.harvest_every
-        self.slot_width = p + n + h - 2  # see the module docstring
+        p, n = max_prompt_len, max_new_tokens
+        self.slot_width = p + n - 1  # the ring of the module docstring
         need = self.num_slots * self.slot_width
         if cache_tokens is not None and need > _positive_int("cache_tokens", cache_tokens):
             raise ValueError(
                 f"num_slots={num_slots} slots of {self.slot_width} cache positions each "
-                f"(max_prompt_len + max_new_tokens + harvest_every - 2) need {need}, but "
+                f"(max_prompt_len + max_new_tokens - 1) need {need}, but "
                 f"cache_tokens={cache_tokens} holds {cache_tokens // self.slot_width} slots"
             )
         # None when one call feeds the whole prefix, so equal engines share programs.
@@ -224,7 +225,7 @@ class ContinuousSampler:
             self.eos_id,
             self.pad_id,
             self.num_slots,
-            h,
+            self.harvest_every,
             self.group_size,
             mesh,
             self.prefill_chunk,
@@ -301,10 +302,11 @@ class ContinuousSampler:
         per_slot = {
             name: rows(4, 1) if name == "routing" else rows(getattr(abstract, name).ndim)
             for name in SlotState._fields
-            if name not in ("cache", "key", "sampling")
+            if name not in ("cache", "column", "key", "sampling")
         }
         return SlotState(
             cache=LayerCache(cache, cache),
+            column=replicated,
             key=replicated,
             sampling=SamplingParams(replicated, replicated, replicated),
             **per_slot,
@@ -317,6 +319,7 @@ class ContinuousSampler:
         return SlotState(
             cache=init_cache(cfg, s, self.slot_width),
             kv_mask=jnp.zeros((s, self.slot_width), jnp.bool_),
+            column=jnp.zeros((), i32),
             last=jnp.zeros((s,), i32),
             prompt_lengths=jnp.ones((s,), i32),
             limits=jnp.full((s,), n, i32),
@@ -338,7 +341,6 @@ class ContinuousSampler:
         in ``slots`` [m·G] (S = padding, dropped), with sequence ids and limits [m·G]."""
         g = self.group_size
         p, n = self.max_prompt_len, self.max_new_tokens
-        base = self.slot_width - self.harvest_every  # the next window's first column
         rows = jnp.repeat(tokens, g, axis=0)
         row_mask = jnp.repeat(mask, g, axis=0)
         width = p + n
@@ -347,10 +349,13 @@ class ContinuousSampler:
         cache, routing = state.cache, state.routing.at[:, slots].set(0, mode="drop")
         if p > 1:  # the last prompt token is fed by the first decode step
             new_cache, new_routing = self._prefill(params, tokens[:, : p - 1], mask[:, : p - 1])
-            cols = slice(base - (p - 1), base)
+            # The P − 1 ring columns before the next decode step's.
+            cols = (state.column - (p - 1) + jnp.arange(p - 1)) % self.slot_width
             cache = LayerCache(
                 *(
-                    full.at[:, slots, cols].set(jnp.repeat(new, g, axis=1), mode="drop")
+                    full.at[:, slots[:, None], cols[None, :]].set(
+                        jnp.repeat(new, g, axis=1), mode="drop"
+                    )
                     for full, new in zip(cache, new_cache, strict=True)
                 )
             )
@@ -424,15 +429,15 @@ class ContinuousSampler:
         return cache, routing
 
     def _run_impl(self, params, state: SlotState, version):
-        """One window: up to h decode steps (fewer once no slot is live), then the cache shift.
-        Returns (state, steps run, live slot-steps).
+        """One window: up to h decode steps (fewer once no slot is live), step i writing ring
+        column ``state.column`` + i (mod C). Returns (state, steps run, live slot-steps).
 
         Step i of the window writes column i of [S, h] window buffers (one column for every
         slot, like the cache); after the window they go to each slot's own response positions
         in one scatter."""
         cfg = self.config
         p, n, h = self.max_prompt_len, self.max_new_tokens, self.harvest_every
-        s_, base = self.num_slots, self.slot_width - h
+        s_, width = self.num_slots, self.slot_width
         k = cfg.num_experts_per_tok
 
         def cond(carry):
@@ -442,7 +447,7 @@ class ContinuousSampler:
         def body(carry):
             i, s, win = carry
             model = nnx.merge(self.graphdef, params)
-            col = base + i
+            col = (state.column + i) % width
             kv_mask = jax.lax.dynamic_update_slice_in_dim(s.kv_mask, s.live[:, None], col, 1)
             out = model(
                 s.last[:, None],
@@ -450,7 +455,7 @@ class ContinuousSampler:
                 positions=(s.prompt_lengths - 1 + s.step)[:, None],
                 cache=s.cache,
                 cache_index=col,
-                kv_mask=kv_mask,
+                kv_mask=kv_mask[:, None, :],  # the ring: the mask alone says what is past
             )
             keys = token_keys(s.key, s.sequence_ids, s.step)
             y, logp, cutoff = sample_next(out.logits[:, 0], keys, s.sampling)
@@ -492,9 +497,6 @@ class ContinuousSampler:
         def scatter(a, offset, v):
             return a.at[rows, offset + j].set(v, mode="drop")
 
-        def shift(a):  # columns h … C − 1 to 0 … C − h − 1, the freed ones empty
-            return jnp.concatenate([a[:, :, h:], jnp.zeros_like(a[:, :, :h])], axis=2)
-
         state = state._replace(
             tokens=scatter(state.tokens, p, win["y"]),
             input_mask=scatter(state.input_mask, p, True),
@@ -502,8 +504,7 @@ class ContinuousSampler:
             cutoffs=scatter(state.cutoffs, 0, win["cutoff"]),
             versions=scatter(state.versions, 0, version),
             routing=state.routing.at[:, rows, p - 1 + j].set(win["routing"], mode="drop"),
-            cache=LayerCache(shift(state.cache.k), shift(state.cache.v)),
-            kv_mask=shift(state.kv_mask[None])[0],
+            column=(state.column + steps) % width,
         )
         return state, steps, jnp.sum(win["live"], dtype=jnp.int32)
 

@@ -97,6 +97,39 @@ def test_kv_cache_decoding_matches_full_forward(cfg, model, batch, forward):
     )
 
 
+def test_a_per_query_cache_mask_is_taken_as_given(cfg, model, batch):
+    """A [B, 1, S] kv_mask that marks exactly the past slots decodes as the [B, S] mask with the
+    causal rule; slots after the query are then seen when the mask marks them (no causal rule),
+    and a mask of another shape is refused."""
+    graphdef, params = model
+    tokens, mask = batch
+    positions = positions_from_mask(mask)
+
+    @jax.jit
+    def step(cache, t, kv_mask):
+        out = nnx.merge(graphdef, params)(
+            jax.lax.dynamic_slice_in_dim(tokens, t, 1, 1),
+            positions=jax.lax.dynamic_slice_in_dim(positions, t, 1, 1),
+            cache=cache,
+            cache_index=t,
+            kv_mask=kv_mask,
+        )
+        return out.logits
+
+    # The cache after a full prefix: every slot holds its token's keys and values.
+    model_ = nnx.merge(graphdef, params)
+    cache = model_(tokens, positions=positions, cache=init_cache(cfg, B, T), kv_mask=mask).cache
+    t = jnp.int32(7)
+    past = mask & (jnp.arange(T) <= t)[None]
+    want = step(cache, t, mask)
+    chex.assert_trees_all_close(step(cache, t, past[:, None]), want, rtol=1e-6, atol=1e-6)
+    # Marking the later slots too: a different output, since the mask is not made causal.
+    later = step(cache, t, mask[:, None])
+    assert float(jnp.max(jnp.abs(later - want))) > 1e-4
+    with pytest.raises(ValueError, match="kv_mask"):
+        step(cache, t, jnp.stack([past, past], axis=1))
+
+
 def test_routing_capture_and_replay(cfg, model, batch, forward):
     graphdef, params = model
     tokens, mask = batch

@@ -16,6 +16,7 @@ from sat_jax import parallel
 from sat_jax.models import ModelConfig, cache_spec, init_model, param_shardings
 from sat_jax.models.transformer import init_cache, positions_from_mask
 from sat_jax.sampling import ContinuousSampler, Sampler, SamplingParams
+from sat_jax.sampling.continuous import concat_outputs
 
 P, N, G = 6, 12, 2
 EOS = 5
@@ -226,6 +227,30 @@ def test_weight_swap_at_a_harvest_point(cfg, params, engines, static):
     chex.assert_trees_all_equal(groups[1].versions, chunked.versions[2:4])
 
 
+def test_the_ring_wraps_through_prompts_and_responses(params, engines, reference):
+    """The cache is a ring of P + N − 1 columns written at the session's step count: over the
+    workload it wraps several times, admissions land with their prompt columns straddling the
+    ring's end, and the rollouts are still the static engine's."""
+    engine = engines(2, 5)
+    assert engine.slot_width == P + N - 1
+    run = engine.session(jax.random.key(1), TRUNCATED)
+    ids = np.arange(len(PROMPTS))
+    run.add(PROMPTS, LENGTHS, prompt_ids=ids, max_lengths=LIMITS)
+    done, admitted_at = {}, []
+    while run.pending:
+        column, waiting = int(run.state.column), run.waiting
+        for group in run.advance(params[1], 0):
+            done[group.prompt_id] = group.output
+        if run.waiting < waiting:  # admitted before this window, at this column
+            admitted_at.append(column)
+    steps = run.slot_steps // engine.num_slots
+    assert steps > 2 * engine.slot_width
+    assert int(run.state.column) == steps % engine.slot_width
+    # Some prompt's P − 1 columns run across the end of the ring back to column 0.
+    assert any(0 < c < P - 1 for c in admitted_at), admitted_at
+    assert_same_rollouts(concat_outputs([done[int(i)] for i in ids]), reference)
+
+
 def test_groups_whole_none_lost_or_repeated_over_a_long_run(params, engines):
     engine = engines(4, 3)
     run = engine.session(jax.random.key(3), TRUNCATED)
@@ -284,7 +309,7 @@ def test_bad_input_is_one_error_before_compute(cfg, params, engines):
             ContinuousSampler(cfg, num_slots=4, harvest_every=2, prefill_chunk=bad, **kw)
     with pytest.raises(ValueError, match="fewer than group_size"):
         ContinuousSampler(cfg, num_slots=1, harvest_every=2, **kw)
-    # 4 slots of P + N + 3 - 2 = 19 positions need 76; 60 hold 3.
+    # 4 slots of P + N - 1 = 17 positions need 68; 60 hold 3.
     with pytest.raises(ValueError, match="cache_tokens=60 holds 3 slots"):
         ContinuousSampler(cfg, num_slots=4, harvest_every=3, cache_tokens=60, **kw)
     with pytest.raises(ValueError, match="the batch size"):
