@@ -83,7 +83,8 @@ _GRID = flags.DEFINE_string(
     "runs), envelope (GRPO and SAT-GRPO over learning rate × lag), "
     "or a study file's grid (configs/studies/*.py): stale-phase0 (the staleness study's "
     "calibration), stale (its counted runs: docs/results/stale), stale-rerun (the same on "
-    "seeds 12-19) or stale2-calib (study 2's calibration: docs/results/stale2).",
+    "seeds 12-19), stale2-calib (study 2's calibration: docs/results/stale2), stale2 (its "
+    "counted runs) or stale2-rerun (the same on seeds 32-43).",
 )
 _SEEDS = flags.DEFINE_integer("seeds", None, "Seeds 0..N-1 per cell (compare --grid; default 3).")
 _LAGS = flags.DEFINE_string(

@@ -8,6 +8,10 @@
   ``--set`` it and write their own ``--out`` (CALIBRATION.md gives the commands); the counted
   grid is added to this file with ``PROTOCOL.md``, before any counted run, as
   :func:`counted_grid` at the constants the calibration fixes (``python -m sat_jax.study.arms``).
+* ``stale2``: the counted grid (docs/results/stale2/PROTOCOL.md) at the constants of
+  docs/results/stale2/arms.md: the tuned clip's ε 0.05, the age-aware clip's κ 1.0, M2PO's τ
+  1e-3 and BAPO's ρ₀ 0.5; seeds 20-31 (20-27 for the secondary arms).
+* ``stale2-rerun``: the same protocol on seeds 32-43 (32-39), which no phase used.
 """
 
 import dataclasses
@@ -74,7 +78,12 @@ def counted_grid(
     )
 
 
+#: The constants the calibration fixed (docs/results/stale2/arms.md, by CALIBRATION.md's rules).
+ARM_CONSTANTS = dict(tight_eps=0.05, kappa=1.0, tau=1e-3, rho_target=0.5)
+
 GRIDS = {
+    "stale2": counted_grid(**ARM_CONSTANTS),
+    "stale2-rerun": counted_grid(**ARM_CONSTANTS, first_seed=32, name="stale2-rerun"),
     "stale2-calib": dataclasses.replace(
         stale_grid(
             ("gspo", "sat_gspo", "gspo_tight", "age_clip_gspo", "m2po_gspo", "bapo_gspo"),

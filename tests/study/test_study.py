@@ -234,7 +234,29 @@ def test_study2_counted_grid_builder_is_the_planned_protocol(tmp_path):
             assert c.loss.rho_target == 0.4
     dropped = study["counted_grid"](tight_eps=0.1, kappa=1.0, tau=None, rho_target=None)
     assert dropped.methods == ("gspo", "sat_gspo", "gspo_tight", "age_clip_gspo")
-    assert "stale2" not in study["GRIDS"]  # added with PROTOCOL.md, at the calibrated values
+
+
+def test_study2_registered_grids_are_the_counted_grid_at_the_calibrated_constants(tmp_path):
+    """``stale2`` and ``stale2-rerun`` are ``counted_grid`` at arms.md's constants (ε 0.05,
+    κ 1.0, τ 1e-3, ρ₀ 0.5), on seeds 20-31 and 32-43: the re-run shares no seed."""
+    study = study_grid.load_study(os.path.join(study_grid.STUDIES_DIR, "stale2.py"))
+    constants = dict(tight_eps=0.05, kappa=1.0, tau=1e-3, rho_target=0.5)
+    assert study["ARM_CONSTANTS"] == constants
+    seeds = {}
+    for name, first in (("stale2", 20), ("stale2-rerun", 32)):
+        g = study["GRIDS"][name]
+        assert g == study["counted_grid"](**constants, first_seed=first, name=name)
+        runs = study_grid.expand(g, str(tmp_path / name))
+        assert len(runs) == 96
+        seeds[name] = {s.seed for s, _ in runs}
+        assert seeds[name] == set(range(first, first + 12))
+        for spec, c in runs:
+            eps = 0.05 if spec.method == "gspo_tight" else 0.2
+            assert (c.loss.eps_low, c.loss.eps_high) == (eps, eps), spec.name
+            assert c.loss.get("kappa") == (1.0 if spec.method == "age_clip_gspo" else None)
+            assert c.loss.get("tau") == (1e-3 if spec.method == "m2po_gspo" else None)
+            assert c.loss.get("rho_target") == (0.5 if spec.method == "bapo_gspo" else None)
+    assert not seeds["stale2"] & seeds["stale2-rerun"]
 
 
 @pytest.mark.parametrize(
@@ -267,10 +289,13 @@ def test_every_study_file_loads_and_its_grids_expand(tmp_path):
         for name, grid in grids.items():
             assert study_grid.resolve(name) == grid
             runs = study_grid.expand(grid, str(tmp_path))
+            # An arm may run at fewer lags or seeds than the grid's (study 2's secondary arms).
+            arm_lags, arm_seeds = dict(grid.arm_lags or ()), dict(grid.arm_seeds or ())
+            cells = sum(
+                len(arm_lags.get(m, grid.lags)) * arm_seeds.get(m, grid.seeds) for m in grid.methods
+            )
             assert (
-                len({c.workdir for _, c in runs})
-                == len(runs)
-                == (len(grid.methods) * len(grid.lags) * len(grid.lrs or (None,)) * grid.seeds)
+                len({c.workdir for _, c in runs}) == len(runs) == cells * len(grid.lrs or (None,))
             )
             names.append(name)
     assert sorted(study_grid.study_grids()) == sorted(names)
