@@ -94,6 +94,18 @@ ABOUT = {
         "the same way, yet their rollout phases differ by that much), so ratios within that are "
         "noise.",
     ),
+    "protocol_run": (
+        "A whole protocol run against the code before the speed-up",
+        "one run of study 1's protocol as `sat-jax compare --grid stale` runs it (GSPO at the "
+        "fixed lag of 4, seed 4, 300 steps, 13 evaluations of 512 held-out prompts x 8), one "
+        "fresh process per case: `old` from a temporary worktree of the code as it was when the "
+        "speed-up was asked for (`old_commit`), `new` from this checkout with an empty persistent "
+        "compilation cache, `new_warm` on the cache `new` filled (a grid's later runs). Wall "
+        "time of each process, start to exit; `new_over_old` and `new_warm_over_old` (< 1: "
+        "faster) and `speedup_*` (old over new). The script refuses a case that did not log the "
+        "same training steps and evaluations as `old`; `eval_max_abs_diff_old_new` is nonzero "
+        "because the new evaluation draws with per-row keys.",
+    ),
     "grid_cache": (
         "A study grid with the persistent compilation cache",
         "two runs of one arm of the staleness protocol (grid `stale`, GSPO at the fixed lag, seeds "
