@@ -104,7 +104,8 @@ ABOUT = {
         "time of each process, start to exit; `new_over_old` and `new_warm_over_old` (< 1: "
         "faster) and `speedup_*` (old over new). The script refuses a case that did not log the "
         "same training steps and evaluations as `old`; `eval_max_abs_diff_old_new` is nonzero "
-        "because the new evaluation draws with per-row keys.",
+        "because the new evaluation draws with per-row keys. The same case's rounds can differ "
+        "by a fifth on this machine: read the per-round walls beside the best-of ratios.",
     ),
     "grid_cache": (
         "A study grid with the persistent compilation cache",
