@@ -40,24 +40,28 @@ from sat_jax.run.metrics import read_metrics
 CASES = ("off", "cold", "warm")
 
 
-def _grid(out: str, cache: str, args, steps: int | None = None) -> list[dict]:
-    """One ``compare --grid`` process; its runs' rows of results.csv, seed order."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "sat_jax.cli",
+def gspo_arm(out: str, args, seeds: int, steps: int | None = None) -> list[str]:
+    """``sat-jax compare``'s arguments for the ``stale`` grid's GSPO arm at ``args.lag`` on
+    ``seeds`` seeds, reduced to ``steps`` (default ``args.steps``) steps and ``args``'s
+    evaluation schedule."""
+    return [
         "compare",
         "--grid=stale",
         f"--out={out}",
         "--methods=gspo",
         "--baseline=gspo",
         f"--lags={args.lag}",
-        "--seeds=2",
-        f"--compile_cache={cache}",
+        f"--seeds={seeds}",
         f"--set=num_steps={steps or args.steps}",
         f"--set=eval.every={args.eval_every}",
         f"--set=eval.num_prompts={args.eval_prompts}",
     ]
+
+
+def _grid(out: str, cache: str, args, steps: int | None = None) -> list[dict]:
+    """One ``compare --grid`` process; its runs' rows of results.csv, seed order."""
+    cmd = [sys.executable, "-m", "sat_jax.cli", *gspo_arm(out, args, 2, steps)]
+    cmd.append(f"--compile_cache={cache}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:

@@ -41,6 +41,7 @@ import tempfile
 import time
 
 import _results
+from grid_cache import gspo_arm
 
 from sat_jax.run.metrics import read_metrics
 
@@ -58,21 +59,8 @@ def _protocol_run(tree: str, out: str, args, cache: str | None, steps: int | Non
     """One ``compare --grid stale`` process of one run from the checkout ``tree``: its wall time
     and the run's logged steps and held-out metrics. ``cache`` None: the flag is not passed (the
     old code has no persistent cache)."""
-    cmd = [
-        sys.executable,
-        "-c",
-        "from sat_jax.cli import run; run()",
-        "compare",
-        "--grid=stale",
-        f"--out={out}",
-        "--methods=gspo",
-        "--baseline=gspo",
-        f"--lags={args.lag}",
-        "--seeds=1",
-        f"--set=num_steps={steps or args.steps}",
-        f"--set=eval.every={args.eval_every}",
-        f"--set=eval.num_prompts={args.eval_prompts}",
-    ]
+    cmd = [sys.executable, "-c", "from sat_jax.cli import run; run()"]
+    cmd += gspo_arm(out, args, 1, steps)
     if cache is not None:
         cmd.append(f"--compile_cache={cache}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
