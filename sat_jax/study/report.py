@@ -139,11 +139,15 @@ def write(
     os.makedirs(out_dir, exist_ok=True)
     csv_path = os.path.join(out_dir, "results.csv")
     tables.write_csv(csv_path, rows, CSV_COLUMNS)
+    # A run still going has no final evaluation yet: it is listed in results.csv and counted in
+    # the provenance, but no table, test or plot reads it.
+    done = [i for i, r in enumerate(rows) if r["status"] == "finished"]
+    finished, traces = [rows[i] for i in done], [traces[i] for i in done]
     plot_paths = _plots(out_dir, grid, traces) if plots else []
     env = None
     sat = _sat_partner(grid)
     if grid.name == "envelope" or (grid.lrs and len(grid.lrs) > 1 and sat):
-        env = stats.envelope_map(rows, baseline=grid.baseline, sat=sat, eps=eps)
+        env = stats.envelope_map(finished, baseline=grid.baseline, sat=sat, eps=eps)
         path = (
             study_plots.plot_envelope(
                 env,
@@ -158,6 +162,7 @@ def write(
     md = _markdown(
         grid,
         rows,
+        finished,
         env,
         plot_paths,
         out_dir=out_dir,
@@ -244,6 +249,7 @@ def _plots(out_dir: str, grid: Grid, traces) -> list[str]:
 def _markdown(
     grid,
     rows,
+    finished_rows,
     env,
     plot_paths,
     *,
@@ -257,9 +263,11 @@ def _markdown(
     eps,
     sat,
 ) -> str:
+    """``rows``: every run that logged anything (provenance and counts); ``finished_rows``: the
+    finished ones, which alone enter the tables and tests."""
     prov = provenance()
-    finished = sum(r["status"] == "finished" for r in rows)
-    run_sum = sum(r["wall_s"] or 0.0 for r in rows)
+    finished = len(finished_rows)
+    run_sum = sum(r["wall_s"] or 0.0 for r in finished_rows)
     lines = [
         f"# Study `{grid.name}`",
         "",
@@ -273,7 +281,12 @@ def _markdown(
         f"- the runs' CPUs: {run_cpus(rows, out_dir)}",
         f"- written: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
         f"- runs: {finished} finished of {total}"
-        + (f" ({len(rows) - finished} partial)" if len(rows) > finished else ""),
+        + (
+            f" ({len(rows) - finished} partial: listed in `results.csv`, left out of every "
+            "table, test and plot below)"
+            if len(rows) > finished
+            else ""
+        ),
         *(
             [
                 f"- **failed in this invocation**: {', '.join(invocation['failed'])} "
@@ -311,7 +324,7 @@ def _markdown(
         )
         + f"; baseline of the paired differences: {label(grid.baseline)}",
         f"- config overrides (every run): {', '.join(f'`{o}`' for o in overrides) or 'none'}",
-        _pairing_line(rows),
+        _pairing_line(finished_rows),
         "",
         "## Definitions",
         "",
@@ -330,7 +343,7 @@ def _markdown(
         "up. An interval that contains 0 does not show a difference.",
         "",
     ]
-    summary = stats.cell_summary(rows)
+    summary = stats.cell_summary(finished_rows)
     # The stabilizers' own activity, where a grid runs them: M2PO's masked share (trailing 25%)
     # and the share of steps on which BAPO's bounds moved.
     extra = [
@@ -384,10 +397,10 @@ def _markdown(
         "",
     ]
     if grid.primary and grid.primary_lag is not None:
-        lines += _difference_section(rows, *grid.primary, grid.primary_lag)
+        lines += _difference_section(finished_rows, *grid.primary, grid.primary_lag)
     elif grid.primary:
-        lines += _primary_section(rows, *grid.primary)
-    pairs = stats.paired_rows(rows, grid.baseline)
+        lines += _primary_section(finished_rows, *grid.primary)
+    pairs = stats.paired_rows(finished_rows, grid.baseline)
     if pairs:
         lines += [
             f"## Paired differences against {label(grid.baseline)}",
@@ -395,7 +408,7 @@ def _markdown(
             _paired_table(pairs),
             "",
         ]
-    lagged = stats.lag_rows(rows)
+    lagged = stats.lag_rows(finished_rows)
     if lagged:
         lines += [
             f"## Each method against itself at lag {lagged[0]['from_lag']}",

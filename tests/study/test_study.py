@@ -875,6 +875,37 @@ def test_results_files_from_a_fake_study(tmp_path):
     }
 
 
+def test_a_partial_run_is_listed_but_enters_no_table(tmp_path):
+    """A run still going (no done.json) has no final evaluation: results.csv lists it and the
+    provenance counts it, but the per-cell means, paired differences and tests are those of the
+    finished runs alone."""
+    g, runs = _fake_study(tmp_path, FINALS)
+    g = dataclasses.replace(g, primary=("sat_grpo", "grpo"), primary_lag=8)
+    more = study_grid.expand(dataclasses.replace(g, seeds=4), str(tmp_path))
+    (spec, config) = next((s, c) for s, c in more if (s.method, s.lag, s.seed) == ("grpo", 8, 3))
+    os.makedirs(config.workdir)
+    with open(os.path.join(config.workdir, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 0, "eval/pass@1": 0.05}) + "\n")
+    out = report.write(
+        str(tmp_path),
+        g,
+        runs + [(spec, config)],
+        command="c",
+        lag_mode="broadcast",
+        overrides=[],
+        plots=False,
+    )
+    with open(out["csv"]) as f:
+        status = {r["run_dir"]: r["status"] for r in csv.DictReader(f)}
+    assert status[f"runs/{spec.name}"] == "partial" and len(status) == 13
+    md = open(out["md"]).read()
+    assert "- runs: 12 finished of 13 (1 partial: listed in `results.csv`" in md
+    # As in the study without it: GRPO at lag 8 over seeds 0-2 only, and the primary test's
+    # paired difference on those seeds.
+    assert "| GRPO | 8 | 0.0001 | 3 | 0.200 |" in md
+    assert "| **GRPO** (primary) | 0.0001 | +0.133 [-0.010, +0.277] (n=3, 3/3 up) | 0.25 |" in md
+
+
 def test_pre_registered_section_tests_the_lag_interaction(tmp_path):
     g, runs = _fake_study(tmp_path, FINALS)
     g = dataclasses.replace(g, primary=("sat_grpo", "grpo"))
