@@ -472,7 +472,7 @@ def compare_grid(rest: list[str]) -> int:
         )
 
     if _REPORT_ONLY.value:
-        _print_paths(write({**last, "trained": [], "skipped": [s.name for s, _ in runs]}))
+        _print_paths(write({**last, "report_only": True}))
         return 0
     shared, components.SHARE_TRAIN_STEPS = components.SHARE_TRAIN_STEPS, _SHARE.value
     try:

@@ -94,20 +94,21 @@ def provenance() -> dict[str, str]:
     }
 
 
-def run_cpus(rows, out_dir: str) -> str:
-    """The CPUs the runs of ``rows`` recorded (``provenance.json``; ``run_dir`` relative to
-    ``out_dir``), each with its count: the warm-up's float rounding, and so the base policy,
-    differs between CPU models."""
+def run_cpus(rows, out_dir: str, key: str = "cpu") -> str:
+    """What the runs of ``rows`` recorded under ``key`` in ``provenance.json`` (``run_dir``
+    relative to ``out_dir``), each value with its count. ``cpu``: the warm-up's float rounding,
+    and so the base policy, differs between CPU models; ``commit``: the code the runs trained
+    with, which a report written later (``--report_only``) need not share."""
     counts: dict[str, int] = {}
     for r in rows:
         path = os.path.join(out_dir, r["run_dir"], runner.PROVENANCE_FILE)
         try:
             with open(path, encoding="utf-8") as f:
-                cpu = json.load(f).get("cpu", "not recorded")
+                value = str(json.load(f).get(key, "not recorded"))
         except (OSError, ValueError, KeyError, TypeError):
-            cpu = "not recorded"
-        counts[cpu] = counts.get(cpu, 0) + 1
-    return "; ".join(f"{cpu} ({n} runs)" for cpu, n in sorted(counts.items()))
+            value = "not recorded"
+        counts[value] = counts.get(value, 0) + 1
+    return "; ".join(f"{value} ({n} runs)" for value, n in sorted(counts.items()))
 
 
 def label(method: str) -> str:
@@ -276,7 +277,8 @@ def _markdown(
         "## Provenance",
         "",
         f"- command: `{command}`",
-        f"- commit: {prov['commit']}",
+        f"- commit of this report: {prov['commit']}; the runs' commits: "
+        f"{run_cpus(rows, out_dir, 'commit')}",
         f"- JAX {prov['jax']}, Python {prov['python']}; {prov['devices']}; {prov['host']}",
         f"- the runs' CPUs: {run_cpus(rows, out_dir)}",
         f"- written: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
@@ -295,10 +297,14 @@ def _markdown(
             if invocation.get("failed")
             else []
         ),
-        f"- wall time of this invocation: {_clock(invocation.get('seconds'))} "
-        f"({len(invocation.get('trained', []))} runs trained, "
-        f"{len(invocation.get('skipped', []))} already finished); sum of the finished runs' "
-        f"own times (across invocations): {_clock(run_sum)}",
+        (
+            "- this invocation only wrote the report (`--report_only`)"
+            if invocation.get("report_only")
+            else f"- wall time of this invocation: {_clock(invocation.get('seconds'))} "
+            f"({len(invocation.get('trained', []))} runs trained, "
+            f"{len(invocation.get('skipped', []))} already finished)"
+        )
+        + f"; sum of the finished runs' own times (across invocations): {_clock(run_sum)}",
         "",
         "## Grid",
         "",

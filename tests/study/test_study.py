@@ -853,7 +853,7 @@ def test_results_files_from_a_fake_study(tmp_path):
     assert len(rows) == 12 and rows[0]["method"] == "grpo" and rows[0]["status"] == "finished"
     md = open(out["md"]).read()
     assert "- command: `sat-jax compare --grid envelope`" in md
-    assert "collapsed" in md and "JAX " in md and "commit:" in md
+    assert "collapsed" in md and "JAX " in md and "commit of this report:" in md
     # grpo lag 1: best = max(0.4, final) per seed -> (0.5, 0.6, 0.7): mean 0.6, sd 0.1.
     assert "| GRPO | 1 | 0.0001 | 3 | 0.200 | 0.600 ± 0.100 | 0.600 ± 0.100 | 0/3 |" in md
     # SAT-GRPO − GRPO at lag 8, final: d = (0.1, 0.1, 0.2), mean 0.1333, sd 0.0577,
@@ -1126,6 +1126,9 @@ def test_cli_report_only_writes_the_finished_and_partial_runs_and_trains_none(
     assert rows[f"runs/{spec_b.name}"]["status"] == "partial"
     assert float(rows[f"runs/{spec_a.name}"]["final"]) == 0.5
     assert str(out / "results.md") in stdout
+    md = (out / "results.md").read_text()
+    assert "- this invocation only wrote the report (`--report_only`)" in md
+    assert "already finished" not in md
     rc, _, err = run_cli(capsys, "compare", "--report_only", str(out))
     assert rc == 2 and "--report_only is a flag of compare --grid NAME" in err
 

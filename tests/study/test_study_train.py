@@ -49,6 +49,7 @@ def test_toy_grid_trains_shares_the_step_and_resumes(tmp_path, monkeypatch, caps
     assert "| GRPO | 2 | 0.0001 | 1 |" in md and "2 runs trained, 0 already finished" in md
     # The CPU each run recorded (the warm-up, and so the pairing, depends on it).
     assert f"- the runs' CPUs: {runner.run_provenance()['cpu']} (2 runs)" in md
+    assert f"the runs' commits: {runner.run_provenance()['commit']} (2 runs)" in md
     assert len((out / "results.csv").read_text().splitlines()) == 3
     assert (out / "plots" / "accuracy.png").is_file()
 
