@@ -285,6 +285,33 @@ def staleness_markdown(run_dirs: Sequence[str]) -> str:
 TITLE = "Staleness study, phase 0: the calibration map"
 
 
+#: The checks' names on the page, by their entry keys (``passes`` needs every one; a ``None``
+#: value means the runs could not be checked for it).
+CHECK_NAMES = {
+    "harm": "harm",
+    "in_range": "d̄_π in range",
+    "can_act": "q < log(1+ε)",
+    "binds": "binds ≥ 3%",
+    "hetero": "heterogeneous",
+}
+
+
+def verdict(e: Mapping[str, Any]) -> str:
+    """One entry's checks in words, for a setting already registered (nothing is chosen): which
+    held, which did not, and which the runs could not be checked for."""
+    held = [n for k, n in CHECK_NAMES.items() if e[k]]
+    failed = [n for k, n in CHECK_NAMES.items() if e[k] is False]
+    unknown = [n for k, n in CHECK_NAMES.items() if e[k] is None]
+    where = f"`{e['setting']}` (`{e['arms'][0]}` / `{e['arms'][1]}`, lr {e['lr']:g}, lags "
+    where += f"{e['lags'][0]} / {e['lags'][1]}, {e['seeds']} seeds)"
+    words = [f"{len(held)} of {len(CHECK_NAMES)} checks hold"]
+    if failed:
+        words.append("**not held: " + ", ".join(failed) + "**")
+    if unknown:
+        words.append("not checkable from these runs: " + ", ".join(unknown))
+    return f"- {where}: " + "; ".join(words) + "."
+
+
 def markdown(
     entries: Sequence[Mapping[str, Any]],
     *,
@@ -292,7 +319,10 @@ def markdown(
     command: str,
     eps_high: float,
     title: str = TITLE,
+    registered: bool = False,
 ) -> str:
+    """The checks' page. ``registered``: the setting was fixed before these runs (a protocol's
+    counted seeds), so each entry's outcome is stated and no setting is chosen."""
     from sat_jax.study.report import provenance
 
     prov = provenance()
@@ -362,7 +392,14 @@ def markdown(
         for e in entries
     ]
     lines += [tables.markdown_table(headers, table), ""]
-    if chosen:
+    if registered:
+        lines += [
+            "The setting was registered before these runs; the checks are reported, not used to "
+            "choose:",
+            "",
+            *(verdict(e) for e in entries),
+        ]
+    elif chosen:
         lines.append(
             f"**Chosen**: setting `{chosen['setting']}`, `{chosen['arms'][0]}` and "
             f"`{chosen['arms'][1]}`, at lr {chosen['lr']:g} (lags "
@@ -388,6 +425,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--eps-high", type=float, default=0.2)
     parser.add_argument("--out", required=True, help="markdown file to write")
     parser.add_argument("--title", default=TITLE, help="the page's heading")
+    parser.add_argument(
+        "--registered",
+        action="store_true",
+        help="the runs are a registered setting's counted seeds: state each entry's checks, "
+        "choose no setting",
+    )
     parser.add_argument(
         "--by-staleness",
         nargs="+",
@@ -418,9 +461,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m sat_jax.study.calibration " + shlex.join(
         argv if argv is not None else sys.argv[1:]
     )
-    text = markdown(
-        entries, families=families, command=command, eps_high=args.eps_high, title=args.title
-    )
+    page = {"title": args.title, "registered": args.registered}
+    text = markdown(entries, families=families, command=command, eps_high=args.eps_high, **page)
     if args.by_staleness:
         text += (
             "\n## By staleness\n\nEach step's batch is as many versions old as its `lag/mean`; "

@@ -69,6 +69,29 @@ def test_checks_and_choice(tmp_path):
     assert "0.182" in md
 
 
+def test_a_registered_settings_checks_are_stated_and_nothing_is_chosen(tmp_path):
+    """--registered (a protocol's counted seeds): each entry's held, failed and uncheckable
+    checks are named, and the page chooses no setting, whether or not the checks pass."""
+    rows = [
+        _row("grpo", 1, 1e-4, 0.40, 0.01),
+        _row("grpo", 8, 1e-4, 0.35, 0.03),
+        _row("sat_grpo", 1, 1e-4, 0.9, 0.01, 0.05, 0.01),
+        _row("sat_grpo", 8, 1e-4, 0.1, 0.03, 0.10, 0.02),  # binds on 2% < 3%
+    ]
+    write_results(tmp_path / "s", rows)
+    out = tmp_path / "checks.md"
+    args = ["--baseline", "grpo", "--sat", "sat_grpo", "--out", str(out), str(tmp_path / "s")]
+    assert calibration.main([*args, "--registered"]) == 0
+    text = out.read_text()
+    assert (
+        "- `s` (`grpo` / `sat_grpo`, lr 0.0001, lags 1 / 8, 1 seeds): 3 of 5 checks hold; "
+        "**not held: binds ≥ 3%**; not checkable from these runs: heterogeneous." in text
+    )
+    assert "Chosen" not in text and "No setting passes" not in text
+    assert calibration.main(args) == 0  # the map's own wording without the flag
+    assert "No setting passes every check" in out.read_text()
+
+
 def test_choose_prefers_binding_then_the_lower_lr():
     def e(lr, binding):
         return {"passes": True, "lr": lr, "binding": (0.0, binding)}
