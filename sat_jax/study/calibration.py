@@ -461,8 +461,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m sat_jax.study.calibration " + shlex.join(
         argv if argv is not None else sys.argv[1:]
     )
-    page = {"title": args.title, "registered": args.registered}
-    text = markdown(entries, families=families, command=command, eps_high=args.eps_high, **page)
+    text = markdown(
+        entries,
+        families=families,
+        command=command,
+        eps_high=args.eps_high,
+        title=args.title,
+        registered=args.registered,
+    )
     if args.by_staleness:
         text += (
             "\n## By staleness\n\nEach step's batch is as many versions old as its `lag/mean`; "

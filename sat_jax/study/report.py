@@ -94,7 +94,7 @@ def provenance() -> dict[str, str]:
     }
 
 
-def run_cpus(rows, out_dir: str, key: str = "cpu") -> str:
+def run_provenance_counts(rows, out_dir: str, key: str = "cpu") -> str:
     """What the runs of ``rows`` recorded under ``key`` in ``provenance.json`` (``run_dir``
     relative to ``out_dir``), each value with its count. ``cpu``: the warm-up's float rounding,
     and so the base policy, differs between CPU models; ``commit``: the code the runs trained
@@ -278,9 +278,9 @@ def _markdown(
         "",
         f"- command: `{command}`",
         f"- commit of this report: {prov['commit']}; the runs' commits: "
-        f"{run_cpus(rows, out_dir, 'commit')}",
+        f"{run_provenance_counts(rows, out_dir, 'commit')}",
         f"- JAX {prov['jax']}, Python {prov['python']}; {prov['devices']}; {prov['host']}",
-        f"- the runs' CPUs: {run_cpus(rows, out_dir)}",
+        f"- the runs' CPUs: {run_provenance_counts(rows, out_dir)}",
         f"- written: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
         f"- runs: {finished} finished of {total}"
         + (
