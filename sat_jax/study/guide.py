@@ -121,11 +121,19 @@ def effects(
         if m != base:
             vs_hi = stats.paired(x_hi, base_hi)
             entry["vs_base_hi"] = vs_hi
+            # The base's cost on the seeds this arm ran: an arm on fewer seeds than the base is
+            # divided by what staleness cost the base on those seeds, not on all of them.
+            own = set(vs_hi["seeds"])
+            own_cost = stats.paired(
+                {s: v for s, v in base_lo.items() if s in own},
+                {s: v for s, v in base_hi.items() if s in own},
+            )
             entry["recovered"] = (
-                vs_hi["mean"] / cost["mean"]
-                if vs_hi["n"] and cost["n"] and cost["mean"] > 0
+                vs_hi["mean"] / own_cost["mean"]
+                if vs_hi["n"] and own_cost["n"] and own_cost["mean"] > 0
                 else math.nan
             )
+            entry["cost_n"] = own_cost["n"]
             entry["vs_base_lo"] = stats.paired(x_lo, base_lo) if x_lo else None
         if m not in (base, treatment):
             entry["sat_minus"] = sat_minus[m]
@@ -184,7 +192,7 @@ def _block(study: Study, rows, e: Mapping[str, Any], treatment: str) -> list[str
                 a["label"] + (" (base)" if a is base else ""),
                 f"{tables.fmt_pm(mean, sd)} (n={n})",
                 _read(a.get("vs_base_hi")),
-                "–" if a is base else _share(a["recovered"]),
+                "–" if a is base else _share(a["recovered"], a["cost_n"], e["cost"]["n"]),
                 _read(a.get("vs_base_lo")) if a is not base else "–",
                 "–"
                 if sat is None
@@ -210,8 +218,12 @@ def _cost(p: Mapping[str, Any]) -> str:
     return s + f" (n={p['n']}, lower on {p['wins']}/{p['n']} seeds)"
 
 
-def _share(x: float) -> str:
-    return "–" if not math.isfinite(x) else f"{100 * x:.0f}%"
+def _share(x: float, n: int, n_all: int) -> str:
+    """``79%``, or ``91% (of the base's cost on these 8 seeds)`` where the arm ran on fewer
+    seeds than the base's cost line reads."""
+    if not math.isfinite(x):
+        return "–"
+    return f"{100 * x:.0f}%" + (f" (of the base's cost on these {n} seeds)" if n != n_all else "")
 
 
 def _read(p: Mapping[str, Any] | None) -> str:
@@ -235,7 +247,8 @@ def markdown(
         "Every arm of each staleness study against the same base, paired on seed. A difference "
         "reads *better* or *worse* when its 95% interval excludes 0 and *no difference "
         "detected* when it holds 0. The share recovered is the arm's mean gain over the base "
-        "at the high lag divided by the base's mean loss from the low lag to the high one. "
+        "at the high lag divided by the base's mean loss from the low lag to the high one, "
+        "both over the seeds the arm ran. "
         "Each study's pre-registered tests, protocol and plots are in its own report.",
         "",
     ]

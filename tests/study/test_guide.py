@@ -145,3 +145,22 @@ def test_errors_name_the_problem(tmp_path, capsys):
         guide.effects(rows + other_lr, base="gspo", treatment="sat_gspo")
     with pytest.raises(ValueError, match="a low and a high lag"):
         guide.effects([r for r in rows if r["lag"] == 8], base="gspo", treatment="sat_gspo")
+
+
+def test_share_recovered_reads_the_base_cost_on_the_arms_own_seeds(tmp_path):
+    """An arm run on fewer seeds than the base divides its gain by what staleness cost the base
+    on those seeds: here seeds 0-1 (cost 0.12), not all four (0.095)."""
+    d = write_study(tmp_path / "s", {k: v for k, v in CELLS.items() if k[0] != "m2po_gspo"})
+    rows = pooled.read([d])
+    m2po = {"method": "m2po_gspo", "label": "M2PO", "lag": 8, "status": "finished"}
+    for seed, v in enumerate([0.46, 0.52]):
+        rows.append({**rows[0], **m2po, "seed": seed, "tail20": v, "collapse_step": ""})
+    e = guide.effects(rows, base="gspo", treatment="sat_gspo")
+    arms = {a["method"]: a for a in e["arms"]}
+    # M2PO gains +0.06 on seeds 0 and 1, where the base lost 0.10 and 0.14.
+    assert arms["m2po_gspo"]["vs_base_hi"]["n"] == 2 and e["cost"]["n"] == 4
+    assert arms["m2po_gspo"]["recovered"] == pytest.approx(0.06 / 0.12)
+    assert arms["sat_gspo"]["recovered"] == pytest.approx(0.04 / 0.095)
+    text = "\n".join(guide._block(guide.Study("s", (d,)), rows, e, "sat_gspo"))
+    assert "| 50% (of the base's cost on these 2 seeds) |" in text
+    assert "| 42% |" in text  # SAT ran on the base's four seeds: no note
