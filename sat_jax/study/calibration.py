@@ -348,6 +348,8 @@ def markdown(
         f"- written: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
         "",
     ]
+    # The checks shown before the by-age column; heterogeneity follows it.
+    checks = ("harm", "in_range", "can_act", "binds")
     headers = [
         "setting",
         "baseline / SAT",
@@ -360,7 +362,7 @@ def markdown(
         "SAT q lo / hi",
         "SAT binding lo / hi",
         "clipped hi: base / SAT",
-        *(CHECK_NAMES[k] for k in ("harm", "in_range", "can_act", "binds")),
+        *(CHECK_NAMES[k] for k in checks),
         "d̄_π hi, age ≤ 2 / ≥ 8",
         CHECK_NAMES["hetero"],
         "passes",
@@ -378,7 +380,7 @@ def markdown(
             _pair(e["q"]),
             _percents(e["binding"]),
             _percents(e["clipped"]),
-            *(_mark(e[k]) for k in ("harm", "in_range", "can_act", "binds")),
+            *(_mark(e[k]) for k in checks),
             _pair(e["by_age"], 4),
             _mark(e["hetero"]),
             "**yes**" if e["passes"] else "no",

@@ -123,10 +123,9 @@ def effects(
             entry["vs_base_hi"] = vs_hi
             # The base's cost on the seeds this arm ran: an arm on fewer seeds than the base is
             # divided by what staleness cost the base on those seeds, not on all of them.
-            own = set(vs_hi["seeds"])
+            # (``paired`` reads only the seeds both sides have.)
             own_cost = stats.paired(
-                {s: v for s, v in base_lo.items() if s in own},
-                {s: v for s, v in base_hi.items() if s in own},
+                {s: base_lo[s] for s in vs_hi["seeds"] if s in base_lo}, base_hi
             )
             entry["recovered"] = (
                 vs_hi["mean"] / own_cost["mean"]
