@@ -415,13 +415,25 @@ def _markdown(
             "",
         ]
     lagged = stats.lag_rows(finished_rows)
-    if lagged:
+    paired_lagged, unpaired = [], {}  # unpaired: methods never run at the lowest lag
+    for e in lagged:
+        if e["final"]["n"] or e["best"]["n"]:
+            paired_lagged.append(e)
+        else:
+            unpaired[label(e["method"])] = None
+    if paired_lagged:
         lines += [
             f"## Each method against itself at lag {lagged[0]['from_lag']}",
             "",
-            "Paired on the same seed and learning rate: what staleness costs each method.",
+            "Paired on the same seed and learning rate: what staleness costs each method."
+            + (
+                f" Without a lag-{lagged[0]['from_lag']} run to pair with, left out: "
+                f"{', '.join(unpaired)}."
+                if unpaired
+                else ""
+            ),
             "",
-            _paired_table(lagged),
+            _paired_table(paired_lagged),
             "",
         ]
     if env is not None:

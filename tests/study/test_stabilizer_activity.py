@@ -1,7 +1,7 @@
 """M2PO's and BAPO's own activity in a run's summary, ``results.csv`` and the report's per-cell
 table: M2PO's masked share over the trailing 25% of steps (``m2po_masked_t25``) and the share of
 steps on which BAPO's bounds left their start (``bapo_moved``), shown only where a grid runs
-them."""
+them; and the lag table of the report, which pairs only the arms that ran at lag 1."""
 
 import csv
 import json
@@ -75,3 +75,26 @@ def test_report_shows_the_activity_columns_only_where_a_grid_runs_them(tmp_path,
     _, md = report(tmp_path, capsys, ("gspo",))
     head = next(line for line in md.splitlines() if line.startswith("| method | lag |"))
     assert head.endswith("| realized lag |")
+
+
+def test_lag_table_leaves_out_and_names_the_arms_without_a_lag_1_run(tmp_path, capsys):
+    # study 2's layout: GSPO, SAT-GSPO and the tight clip at mean lags 1 and 8, the other arms at 8.
+    out = tmp_path / "stale2"
+    for spec, config in study_grid.expand(study_grid.resolve("stale2", seeds=1), str(out)):
+        write_run(config, [], evals=(0.2, 0.5 if spec.lag == 1 else 0.4))
+    assert invoke("compare", "--grid=stale2", "--seeds=1", f"--out={out}", "--report_only") == 0
+    capsys.readouterr()
+    md = (out / "results.md").read_text(encoding="utf-8")
+    section = md.split("## Each method against itself at lag 1")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r.split(" | ")[0] for r in rows[1:]] == [
+        "| GSPO",
+        "| SAT-GSPO",
+        "| GSPO, tight clip",
+    ]
+    # final 0.4 at lag 8 against 0.5 at lag 1, one seed
+    assert all(r.endswith("| -0.100 (n=1, 0/1 up) |") for r in rows[1:])
+    assert (
+        "Without a lag-1 run to pair with, left out: Age-aware clip (GSPO), M2PO-GSPO, BAPO-GSPO."
+        in section
+    )
