@@ -6,10 +6,15 @@ Each directory's ``results.csv`` (written by ``sat-jax compare --grid``) is read
 lag, learning rate, seed) found in two directories is refused, since pooling would count its seed
 twice, as is a directory whose arms or lags differ from the first one's. Per control, every arm
 is tested against it as :func:`sat_jax.study.stats.primary_tests` does (the lag interaction with
-a paired t interval and the exact Wilcoxon p, exact McNemar on collapses).
+a paired t interval and the exact Wilcoxon p, exact McNemar on collapses). With ``--lag L``, the
+tests are those of a protocol whose primary comparison is a difference at one lag (study 2):
+the treatment against the one control, then against each other arm, at lag L
+(:func:`sat_jax.study.stats.difference_tests`).
 
     python -m sat_jax.study.pooled --treatment sat_gspo --control gspo --control gspo_tight \\
         --out docs/results/stale/pooled.md studies/stale studies/stale-rerun
+    python -m sat_jax.study.pooled --treatment sat_gspo --control gspo_tight --lag 8 \\
+        --out docs/results/stale2/pooled.md studies/stale2 studies/stale2-rerun
 """
 
 from __future__ import annotations
@@ -62,12 +67,20 @@ def markdown(
     *,
     title: str,
     command: str = "",
+    lag: int | None = None,
 ) -> str:
-    """The pooled report: what was pooled, the arm table, and one table of tests per control."""
+    """The pooled report: what was pooled, the arm table, and one table of tests per control
+    (the lag interaction); with ``lag``, one table of the treatment against the one control and
+    each other arm at that lag."""
     methods = {r["method"] for r in rows}
     missing = [m for m in (treatment, *controls) if m not in methods]
     if missing:
         raise ValueError(f"no runs of {missing} in the pooled studies (arms: {sorted(methods)})")
+    if lag is not None and len(controls) != 1:
+        raise ValueError(
+            f"--lag {lag} tests the treatment against one control (the primary comparator) and "
+            f"then every other arm; got controls {list(controls)}"
+        )
     studies = list(dict.fromkeys(r["study"] for r in rows))
     seeds = {s: sorted({r["seed"] for r in rows if r["study"] == s}) for s in studies}
     lines = [
@@ -87,13 +100,26 @@ def markdown(
     ]
     if command:
         lines += [f"Written by `{command}`.", ""]
-    c = [report.label(x) for x in controls]
     lines += [
         "Endpoint tail20 (held-out pass@1 averaged over the last 20% of evaluations), per arm:",
         "",
         report.arm_table(rows),
         "",
     ]
+    if lag is not None:
+        t, c = report.label(treatment), report.label(controls[0])
+        return "\n".join(
+            [
+                *lines,
+                f"## At lag {lag}",
+                "",
+                f"Per seed, {t} − arm at lag {lag} on tail20: mean, paired 95% t interval, seeds "
+                f"above 0 and the exact Wilcoxon p; exact McNemar on sustained collapses. {c} "
+                "first, as the protocol's primary comparator; each other arm on the seeds it ran.",
+                "",
+                report.difference_table(rows, treatment, controls[0], lag),
+            ]
+        )
     for control in controls:
         c = report.label(control)
         lines += [
@@ -116,6 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--control", action="append", required=True, help="a control arm (repeatable)"
     )
+    parser.add_argument(
+        "--lag",
+        type=int,
+        help="test the treatment against the one control and each other arm at this lag, "
+        "instead of the lag interaction per control",
+    )
     parser.add_argument("--title", default="Pooled analysis", help="the page's heading")
     parser.add_argument("--out", help="write the page here (default: print it)")
     args = parser.parse_args(argv)
@@ -126,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.treatment,
             args.control,
             title=args.title,
+            lag=args.lag,
             command="python -m sat_jax.study.pooled "
             + shlex.join(sys.argv[1:] if argv is None else argv),
         )

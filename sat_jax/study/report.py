@@ -605,33 +605,41 @@ def _difference_section(rows, treatment: str, control: str, lag: int) -> list[st
         "",
     ]
     try:
-        tests = stats.difference_tests(rows, treatment, control, lag)
+        return [*lines, difference_table(rows, treatment, control, lag), ""]
     except ValueError as e:
         return [*lines, f"Not computed yet: {e}.", ""]
-    table = [
+
+
+def difference_table(rows, treatment: str, control: str, lag: int) -> str:
+    """``treatment`` against ``control`` (first, marked primary) and against each other arm of
+    ``rows`` at ``lag`` (:func:`stats.difference_tests`): the paired difference in tail20 with the
+    Wilcoxon p, and McNemar's collapse counts.
+
+    Raises:
+      ValueError: ``treatment`` or ``control`` has no run at ``lag``.
+    """
+    t = label(treatment)
+    return tables.markdown_table(
         [
-            ("**" + label(e["method"]) + "** (primary)") if e["primary"] else label(e["method"]),
-            f"{e['lr']:g}",
-            tables.fmt_paired(e["diff"]),
-            _p(e["diff"]["wilcoxon"]),
-            f"{e['mcnemar']['b']}/{e['mcnemar']['c']}, p {_p(e['mcnemar'])}",
-        ]
-        for e in tests
-    ]
-    lines += [
-        tables.markdown_table(
+            "against",
+            "lr",
+            f"{t} − arm, tail20 [95% CI]",
+            "Wilcoxon p",
+            f"collapse only {t} / only arm",
+        ],
+        [
             [
-                "against",
-                "lr",
-                f"{t} − arm, tail20 [95% CI]",
-                "Wilcoxon p",
-                f"collapse only {t} / only arm",
-            ],
-            table,
-        ),
-        "",
-    ]
-    return lines
+                ("**" + label(e["method"]) + "** (primary)")
+                if e["primary"]
+                else label(e["method"]),
+                f"{e['lr']:g}",
+                tables.fmt_paired(e["diff"]),
+                _p(e["diff"]["wilcoxon"]),
+                f"{e['mcnemar']['b']}/{e['mcnemar']['c']}, p {_p(e['mcnemar'])}",
+            ]
+            for e in stats.difference_tests(rows, treatment, control, lag)
+        ],
+    )
 
 
 def _can_act(cell) -> str:

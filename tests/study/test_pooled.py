@@ -73,3 +73,42 @@ def test_cli_writes_the_page_and_fails_in_one_line(tmp_path, capsys):
     assert "no runs of ['sat']" in capsys.readouterr().err
     assert pooled.main(["--treatment", "sat_gspo", "--control", "gspo", str(tmp_path / "x")]) == 2
     assert "no results.csv in" in capsys.readouterr().err
+
+
+def _study2(d, seeds, sat_minus_tight):
+    """Study 2's layout: GSPO, SAT-GSPO and the tight clip at lags 1 and 8, M2PO at lag 8 on the
+    first two seeds only; SAT-GSPO sits ``sat_minus_tight`` from the tight clip at lag 8."""
+    rows = []
+    for s in seeds:
+        for method, hi in (("gspo", 0.3), ("sat_gspo", 0.4 + sat_minus_tight), ("tight", 0.4)):
+            rows += [
+                {"method": method, "lag": 1, "seed": s, "tail20": 0.5},
+                {"method": method, "lag": 8, "seed": s, "tail20": hi + 0.001 * s},
+            ]
+    rows += [{"method": "m2po", "lag": 8, "seed": s, "tail20": 0.35} for s in seeds[:2]]
+    _write(d, rows)
+    return d
+
+
+def test_pooled_difference_at_one_lag_is_study_2s_test_on_every_seed(tmp_path, capsys):
+    a = _study2(tmp_path / "a", [20, 21, 22, 23], -0.02)
+    b = _study2(tmp_path / "b", [32, 33, 34, 35], 0.0)
+    rows = pooled.read([str(a), str(b)])
+    text = pooled.markdown(rows, "sat_gspo", ["tight"], title="T", lag=8)
+    assert "## At lag 8" in text and "## Against" not in text  # no lag interaction
+    table = text.split("## At lag 8")[1]
+    primary = next(line for line in table.splitlines() if line.startswith("| **tight**"))
+    assert "| -0.010 [" in primary and "(n=8, " in primary  # four seeds at -0.02, four at 0
+    m2po = next(line for line in table.splitlines() if line.startswith("| M2PO |"))
+    assert "(n=4, 4/4 up)" in m2po  # the seeds M2PO ran in either study
+    gspo = next(line for line in table.splitlines() if line.startswith("| GSPO |"))
+    assert "(n=8, 8/8 up)" in gspo
+    with pytest.raises(ValueError, match=r"one control .*got controls \['tight', 'gspo'\]"):
+        pooled.markdown(rows, "sat_gspo", ["tight", "gspo"], title="T", lag=8)
+
+    out = tmp_path / "pooled.md"
+    args = ["--treatment", "sat_gspo", "--control", "tight", "--lag", "8", "--out", str(out)]
+    assert pooled.main([*args, str(a), str(b)]) == 0
+    assert "--lag 8" in out.read_text() and "## At lag 8" in out.read_text()
+    assert pooled.main(["--treatment", "sat_gspo", "--control", "tight", "--lag", "4", str(a)]) == 2
+    assert "no run of ['sat_gspo', 'tight'] at lag 4" in capsys.readouterr().err
