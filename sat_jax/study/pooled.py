@@ -20,7 +20,6 @@ the treatment against the one control, then against each other arm, at lag L
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -149,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "instead of the lag interaction per control",
     )
     parser.add_argument("--title", default="Pooled analysis", help="the page's heading")
-    parser.add_argument("--out", help="write the page here (default: print it)")
+    parser.add_argument("--out", help="also write the page to this file (it is always printed)")
     args = parser.parse_args(argv)
     try:
         rows = read(args.studies)
@@ -165,13 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"pooled: error: {e}", file=sys.stderr)
         return 2
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-        print(args.out)
-    else:
-        print(text)
+    tables.write_page(args.out, text + "\n")
     return 0
 
 

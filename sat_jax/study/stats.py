@@ -161,6 +161,22 @@ def _by_step(records: Iterable[Mapping[str, Any]], key: str) -> dict[int, float]
     return out
 
 
+def trailing_steps(records: Iterable[Mapping[str, Any]], trailing: float = 0.25) -> set[int]:
+    """The last ``trailing`` share (at least one) of a run's training steps: the steps that log
+    ``loss/mismatch``, which every objective logs once per update."""
+    if not 0 < trailing <= 1:
+        raise ValueError(f"trailing must be in (0, 1], got {trailing}")
+    steps = sorted(_by_step(records, "loss/mismatch"))
+    return set(steps[-max(1, math.ceil(trailing * len(steps))) :]) if steps else set()
+
+
+def trailing_mean(records: Iterable[Mapping[str, Any]], key: str, window: set[int]) -> float:
+    """The mean of ``key`` over the steps of ``window`` (:func:`trailing_steps`) that log it
+    finite; NaN where none does."""
+    values = [v for s, v in _by_step(records, key).items() if s in window and math.isfinite(v)]
+    return float(np.mean(values)) if values else math.nan
+
+
 #: The rule results.md states and applies.
 DEFAULT_RULE = CollapseRule()
 
@@ -190,8 +206,7 @@ def summarize_run(
       parameter digest (``sft/digest``, logged whether trained or cached; NaN where not logged).
       Runs of one seed started from the same base policy when their digests are equal.
     """
-    if not 0 < trailing <= 1:
-        raise ValueError(f"trailing must be in (0, 1], got {trailing}")
+    window = trailing_steps(records, trailing)
     evals = _by_step(records, PASS)
     base = evals.get(0, math.nan)
     later = {s: v for s, v in evals.items() if s > 0}
@@ -203,23 +218,16 @@ def summarize_run(
     else:
         best = final = math.nan
         best_step = final_step = -1
-    train_steps = sorted(_by_step(records, "loss/mismatch"))
     out: dict[str, Any] = {
         "base": base,
         "best": best,
         "best_step": best_step,
         "final": final,
         "final_step": final_step,
-        "steps": len(train_steps),
+        "steps": len(_by_step(records, "loss/mismatch")),
     }
-    window = (
-        set(train_steps[-max(1, math.ceil(trailing * len(train_steps))) :])
-        if train_steps
-        else set()
-    )
     for name, key in TRAILING.items():
-        values = [v for s, v in _by_step(records, key).items() if s in window and math.isfinite(v)]
-        out[f"{name}_t25"] = float(np.mean(values)) if values else math.nan
+        out[f"{name}_t25"] = trailing_mean(records, key, window)
     # d̄_π by staleness bucket: over the trailing steps whose batch held tokens of the bucket.
     for name in LAG_BUCKETS:
         share = _by_step(records, f"mismatch/{name}_share")

@@ -73,10 +73,11 @@ def write_csv(path, rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -
             )
 
 
-def write_page(path: str, text: str) -> None:
+def write_page(path: str | None, text: str) -> None:
     """Writes a markdown page (its folder created) and echoes it to stdout, as the study
-    commands do."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    commands do; with no ``path``, only echoes it."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
     print(text)
