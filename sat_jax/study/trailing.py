@@ -14,6 +14,7 @@ the keys the runs do log, before anything is written.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -53,7 +54,7 @@ def cell_means(
         cell = values.setdefault((r["method"], r["lag"], r["lr"]), {m: [] for m in metrics})
         for m in metrics:
             v = stats.trailing_mean(records, m, window)
-            if v == v:  # NaN: this run does not log the metric
+            if not math.isnan(v):  # NaN: the run does not log it in its window
                 cell[m].append(v)
     missing = [m for m in metrics if m not in logged]
     if missing:
