@@ -92,7 +92,8 @@ def markdown(
         "",
         *[
             f"* `{s}`: seeds {tables.seed_span(seeds[s])} "
-            f"({sum(r['study'] == s for r in rows)} runs)"
+            f"({sum(r['study'] == s for r in rows)} runs); "
+            + report.provenance_line([r for r in rows if r["study"] == s], s)
             for s in studies
         ],
         "",

@@ -94,21 +94,40 @@ def provenance() -> dict[str, str]:
     }
 
 
-def run_provenance_counts(rows, out_dir: str, key: str = "cpu") -> str:
-    """What the runs of ``rows`` recorded under ``key`` in ``provenance.json`` (``run_dir``
-    relative to ``out_dir``), each value with its count. ``cpu``: the warm-up's float rounding,
-    and so the base policy, differs between CPU models; ``commit``: the code the runs trained
-    with, which a report written later (``--report_only``) need not share."""
-    counts: dict[str, int] = {}
+def run_provenance_counts(
+    rows, out_dir: str, keys: Sequence[str] = ("commit", "jax", "cpu")
+) -> dict[str, str]:
+    """Per key of ``keys``: what the runs of ``rows`` recorded under it in ``provenance.json``
+    (``run_dir`` relative to ``out_dir``, each file read once), each value with its count, as
+    ``"value (n runs); ..."``. ``cpu``: the warm-up's float rounding, and so the base policy,
+    differs between CPU models; ``commit``: the code the runs trained with, which a report
+    written later (``--report_only``) need not share."""
+    counts: dict[str, dict[str, int]] = {k: {} for k in keys}
     for r in rows:
         path = os.path.join(out_dir, r["run_dir"], runner.PROVENANCE_FILE)
         try:
             with open(path, encoding="utf-8") as f:
-                value = str(json.load(f).get(key, "not recorded"))
-        except (OSError, ValueError, KeyError, TypeError):
-            value = "not recorded"
-        counts[value] = counts.get(value, 0) + 1
-    return "; ".join(f"{value} ({n} runs)" for value, n in sorted(counts.items()))
+                recorded = json.load(f)
+        except (OSError, ValueError):
+            recorded = None
+        if not isinstance(recorded, dict):
+            recorded = {}
+        for k in keys:
+            value = str(recorded.get(k, "not recorded"))
+            counts[k][value] = counts[k].get(value, 0) + 1
+    return {
+        k: "; ".join(f"{value} ({n} runs)" for value, n in sorted(c.items()))
+        for k, c in counts.items()
+    }
+
+
+def provenance_line(rows, out_dir: str) -> str:
+    """One line of the runs' own provenance (commit, JAX, CPU) for a page that reads a study's
+    runs without writing its report."""
+    runs = run_provenance_counts(rows, out_dir)
+    if all(v == f"not recorded ({len(rows)} runs)" for v in runs.values()):
+        return f"its runs hold no provenance.json (their report: `{out_dir}/results.md`)"
+    return f"the runs' commits: {runs['commit']}; JAX: {runs['jax']}; CPUs: {runs['cpu']}"
 
 
 def label(method: str) -> str:
@@ -267,6 +286,7 @@ def _markdown(
     """``rows``: every run that logged anything (provenance and counts); ``finished_rows``: the
     finished ones, which alone enter the tables and tests."""
     prov = provenance()
+    runs = run_provenance_counts(rows, out_dir, ("commit", "cpu"))
     finished = len(finished_rows)
     run_sum = sum(r["wall_s"] or 0.0 for r in finished_rows)
     lines = [
@@ -277,10 +297,9 @@ def _markdown(
         "## Provenance",
         "",
         f"- command: `{command}`",
-        f"- commit of this report: {prov['commit']}; the runs' commits: "
-        f"{run_provenance_counts(rows, out_dir, 'commit')}",
+        f"- commit of this report: {prov['commit']}; the runs' commits: {runs['commit']}",
         f"- JAX {prov['jax']}, Python {prov['python']}; {prov['devices']}; {prov['host']}",
-        f"- the runs' CPUs: {run_provenance_counts(rows, out_dir)}",
+        f"- the runs' CPUs: {runs['cpu']}",
         f"- written: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
         f"- runs: {finished} finished of {total}"
         + (

@@ -79,8 +79,10 @@ def markdown(
     *,
     trailing: float = 0.25,
     command: str = "",
+    provenance: str = "",
 ) -> str:
-    """The page: what was read, then one row per cell and a column per metric."""
+    """The page: what was read (``provenance``: :func:`report.provenance_line`), then one row
+    per cell and a column per metric."""
     lines = [
         f"# `{study_dir}`: logged metrics over the trailing {trailing:.0%} of training steps",
         "",
@@ -91,6 +93,8 @@ def markdown(
     ]
     if command:
         lines += [f"Written by `{command}`.", ""]
+    if provenance:
+        lines += [f"Provenance: {provenance}.", ""]
     lines.append(
         tables.markdown_table(
             ["method", "lag", "lr", *[f"`{m}`" for m in metrics]],
@@ -124,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cells = cell_means(args.study, args.metric, args.trailing)
+        provenance = report.provenance_line(read_rows(args.study), args.study)
     except (ValueError, FileNotFoundError) as e:
         print(f"trailing: error: {e}", file=sys.stderr)
         return 2
@@ -132,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells,
         args.metric,
         trailing=args.trailing,
+        provenance=provenance,
         command="python -m sat_jax.study.trailing "
         + shlex.join(sys.argv[1:] if argv is None else argv),
     )

@@ -42,7 +42,8 @@ def test_pooled_tests_are_the_protocols_tests_on_every_seed(tmp_path):
 
     text = pooled.markdown(rows, "sat_gspo", ["gspo", "tight"], title="T")
     assert text.startswith("# T (exploratory)") and "not pre-registered" in text
-    assert f"`{a}`: seeds 4–7 (24 runs)" in text and f"`{b}`: seeds 8–11 (24 runs)" in text
+    assert f"`{a}`: seeds 4–7 (24 runs); its runs hold no provenance.json" in text
+    assert f"`{b}`: seeds 8–11 (24 runs)" in text
     assert "## Against GSPO" in text and "## Against tight" in text
     f = f"{primary['interaction']['mean']:+.3f}"
     assert f"{f} [" in text and "(n=8, " in text

@@ -13,6 +13,9 @@ def _run(d, name, radius, steps=8):
     """A run of ``steps`` training steps logging ``loss/mismatch``, and ``loss/sat/eps`` (1.0
     before its trailing quarter, ``radius`` within it) unless ``radius`` is None."""
     (d / "runs" / name).mkdir(parents=True)
+    if radius is not None:  # SAT's runs record where they ran; GSPO's lost its record
+        prov = {"commit": "abc", "jax": "0.10.2", "cpu": "AMD EPYC, 2 cores"}
+        (d / "runs" / name / "provenance.json").write_text(json.dumps(prov))
     with open(d / "runs" / name / "metrics.jsonl", "w", encoding="utf-8") as f:
         f.write(json.dumps({"step": 0, "eval/pass@1": 0.1}) + "\n")
         for s in range(1, steps + 1):
@@ -85,6 +88,11 @@ def test_cli_writes_the_page_and_fails_in_one_line(tmp_path, capsys):
     text = out.read_text()
     assert "Written by `python -m sat_jax.study.trailing --metric loss/sat/eps --out" in text
     assert "0.2500 ± 0.0707 (2)" in text
+    assert (
+        "Provenance: the runs' commits: abc (2 runs); not recorded (1 runs); "
+        "JAX: 0.10.2 (2 runs); not recorded (1 runs); CPUs: AMD EPYC, 2 cores (2 runs); "
+        "not recorded (1 runs)." in text
+    )
     assert trailing.main(["--metric", "loss/x", str(d)]) == 2
     assert capsys.readouterr().err.startswith("trailing: error: ")
     assert trailing.main(["--metric", "loss/x", str(tmp_path / "nowhere")]) == 2
