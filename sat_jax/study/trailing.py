@@ -1,11 +1,14 @@
 """Any logged metric of a study's runs, per cell, over the runs' trailing steps: a descriptive
 table for the questions a study's report does not answer by itself (what radius SAT settled on,
-how often a stabilizer acted, what d̄_π the oldest tokens saw), read from each finished run's
-``metrics.jsonl`` with the report's own window (the last 25% of training steps).
+how often a stabilizer acted), read from each finished run's ``metrics.jsonl`` with the report's
+own window (the last 25% of training steps).
 
 Per cell (method, lag, learning rate), for each ``--metric``: the mean over seeds of each run's
 trailing mean, its sd and the number of runs that log it. A metric no run logs is refused with
-the keys the runs do log, before anything is written.
+the keys the runs do log, before anything is written. Every logged step of the window counts,
+so a metric logged as 0 on steps where it does not apply (``mismatch/lag_ge8`` on a batch
+without such tokens) is averaged with those zeros; the report's ``lag_le2``/``lag_ge8`` columns
+read only the steps whose batch held the bucket.
 
     python -m sat_jax.study.trailing --metric loss/sat/eps_low_mean \\
         --metric loss/sat/eps_high_mean --metric loss/clip_frac studies/stale2
