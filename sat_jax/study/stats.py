@@ -161,12 +161,16 @@ def _by_step(records: Iterable[Mapping[str, Any]], key: str) -> dict[int, float]
     return out
 
 
-def trailing_steps(records: Iterable[Mapping[str, Any]], trailing: float = 0.25) -> set[int]:
-    """The last ``trailing`` share (at least one) of a run's training steps: the steps that log
-    ``loss/mismatch``, which every objective logs once per update."""
+def train_steps(records: Iterable[Mapping[str, Any]]) -> list[int]:
+    """A run's training steps, in order: the steps that log ``loss/mismatch``, which every
+    objective logs once per update."""
+    return sorted(_by_step(records, "loss/mismatch"))
+
+
+def trailing_steps(steps: Sequence[int], trailing: float = 0.25) -> set[int]:
+    """The last ``trailing`` share (at least one) of ``steps`` (:func:`train_steps`)."""
     if not 0 < trailing <= 1:
         raise ValueError(f"trailing must be in (0, 1], got {trailing}")
-    steps = sorted(_by_step(records, "loss/mismatch"))
     return set(steps[-max(1, math.ceil(trailing * len(steps))) :]) if steps else set()
 
 
@@ -206,7 +210,8 @@ def summarize_run(
       parameter digest (``sft/digest``, logged whether trained or cached; NaN where not logged).
       Runs of one seed started from the same base policy when their digests are equal.
     """
-    window = trailing_steps(records, trailing)
+    steps = train_steps(records)
+    window = trailing_steps(steps, trailing)
     evals = _by_step(records, PASS)
     base = evals.get(0, math.nan)
     later = {s: v for s, v in evals.items() if s > 0}
@@ -224,7 +229,7 @@ def summarize_run(
         "best_step": best_step,
         "final": final,
         "final_step": final_step,
-        "steps": len(_by_step(records, "loss/mismatch")),
+        "steps": len(steps),
     }
     for name, key in TRAILING.items():
         out[f"{name}_t25"] = trailing_mean(records, key, window)

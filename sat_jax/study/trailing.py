@@ -30,11 +30,15 @@ from sat_jax.study.calibration import read_rows
 
 
 def cell_means(
-    study_dir: str, metrics: Sequence[str], trailing: float = 0.25
+    study_dir: str,
+    metrics: Sequence[str],
+    trailing: float = 0.25,
+    rows: Sequence[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per cell of ``study_dir``'s finished runs (in ``results.csv`` order): ``method``, ``lag``,
-    ``lr`` and, per metric, ``(mean, sd, n)`` over the seeds of the runs' trailing means (n: the
-    runs that log the metric in their trailing window).
+    """Per cell of ``study_dir``'s finished runs (in ``results.csv`` order; ``rows``: those
+    already read by ``read_rows``): ``method``, ``lag``, ``lr`` and, per metric, ``(mean, sd,
+    n)`` over the seeds of the runs' trailing means (n: the runs that log the metric in their
+    trailing window).
 
     Raises:
       ValueError: no metric is given, ``trailing`` is outside (0, 1], the study has no finished
@@ -44,7 +48,8 @@ def cell_means(
         raise ValueError("trailing: name at least one --metric")
     if not 0 < trailing <= 1:
         raise ValueError(f"--trailing must be in (0, 1], got {trailing}")
-    rows = read_rows(study_dir)
+    if rows is None:
+        rows = read_rows(study_dir)
     if not rows:
         raise ValueError(f"{study_dir}: results.csv holds no finished run")
     values: dict[tuple, dict[str, list[float]]] = {}
@@ -53,7 +58,7 @@ def cell_means(
         records = read_metrics(os.path.join(study_dir, r["run_dir"]))
         for rec in records:
             logged.update(rec)
-        window = stats.trailing_steps(records, trailing)
+        window = stats.trailing_steps(stats.train_steps(records), trailing)
         cell = values.setdefault((r["method"], r["lag"], r["lr"]), {m: [] for m in metrics})
         for m in metrics:
             v = stats.trailing_mean(records, m, window)
@@ -130,8 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the page to this file (it is always printed)")
     args = parser.parse_args(argv)
     try:
-        cells = cell_means(args.study, args.metric, args.trailing)
-        provenance = report.provenance_line(read_rows(args.study), args.study)
+        rows = read_rows(args.study)
+        cells = cell_means(args.study, args.metric, args.trailing, rows)
+        provenance = report.provenance_line(rows, args.study)
     except (ValueError, FileNotFoundError) as e:
         print(f"trailing: error: {e}", file=sys.stderr)
         return 2

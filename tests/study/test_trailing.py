@@ -43,11 +43,12 @@ def test_trailing_steps_are_the_last_quarter_of_training_steps():
     records = [{"step": 0, "eval/pass@1": 0.1}] + [
         {"step": s, "loss/mismatch": 0.0} for s in range(1, 9)
     ]
-    assert stats.trailing_steps(records) == {7, 8}
-    assert stats.trailing_steps(records[:2]) == {1}  # at least one step
-    assert stats.trailing_steps(records[:1]) == set()
+    assert stats.train_steps(records) == list(range(1, 9))  # the eval at step 0 is not one
+    assert stats.trailing_steps(stats.train_steps(records)) == {7, 8}
+    assert stats.trailing_steps(stats.train_steps(records[:2])) == {1}  # at least one step
+    assert stats.trailing_steps(stats.train_steps(records[:1])) == set()
     with pytest.raises(ValueError, match=r"trailing must be in \(0, 1\], got 0"):
-        stats.trailing_steps(records, 0)
+        stats.trailing_steps(stats.train_steps(records), 0)
 
 
 def test_cell_means_read_each_runs_trailing_window(tmp_path):
