@@ -8,11 +8,11 @@ is handed to the learner, which resumes from the latest checkpoint (``config.res
 refuses a workdir holding another config (``learner.ResumeError``).
 
 Every run records the code it ran (:func:`run_provenance`: a digest of the package source, the
-commit, JAX, Python, the other numeric libraries and the CPU model) in ``provenance.json`` when
-it starts and in ``done.json`` when it finishes; a study's report lists the runs' CPU models. A
-study never mixes code versions: a grid whose finished or started runs record another code
-digest than the one running refuses to go on (:class:`MixedCodeError`), so a study's runs all
-come from one program.
+commit, JAX, Python, the other numeric libraries and the CPU, :func:`cpu_identity`) in
+``provenance.json`` when it starts and in ``done.json`` when it finishes; a study's report lists
+the runs' CPUs. A study never mixes code versions: a grid whose finished or started runs record
+another code digest than the one running refuses to go on (:class:`MixedCodeError`), so a
+study's runs all come from one program.
 """
 
 from __future__ import annotations
@@ -61,15 +61,70 @@ def code_digest(package_dir: str | None = None) -> str:
     return h.hexdigest()[:16]
 
 
+#: CPU features that decide which instructions XLA:CPU emits, and so its float rounding: x86's
+#: vector and matrix extensions (``flags`` in /proc/cpuinfo) and Arm's (``Features``).
+ISA_FEATURES = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "asimd",
+    "asimddp",
+    "sve",
+    "sve2",
+    "bf16",
+    "i8mm",
+)
+
+
+def cpu_identity(cpuinfo: str, machine: str = "") -> str:
+    """The CPU of ``cpuinfo`` (the text of /proc/cpuinfo) as one line: its model name, then the
+    numbers that tell one generation from another under the same name (x86: family, model and
+    stepping; Arm: implementer, part and variant) and which of :data:`ISA_FEATURES` it has.
+    Hosts sold under one name ("AMD EPYC") differ in generation and vector width, and XLA:CPU's
+    rounding, and so a warm-up's base policy, differs with them. ``machine`` (``platform.
+    machine()``) names a CPU whose text holds no model name."""
+    first: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip()
+        if sep and key and key not in first:
+            first[key] = value.strip()
+    name = first.get("model name") or first.get("Processor") or machine or "unknown CPU"
+    if "cpu family" in first:
+        ids = [f"family {first['cpu family']}", f"model {first.get('model', '?')}"]
+        if "stepping" in first:
+            ids.append(f"stepping {first['stepping']}")
+    else:
+        ids = [
+            f"{label} {first[key]}"
+            for key, label in (
+                ("CPU implementer", "implementer"),
+                ("CPU part", "part"),
+                ("CPU variant", "variant"),
+            )
+            if key in first
+        ]
+    present = set((first.get("flags") or first.get("Features") or "").split())
+    isa = [f for f in ISA_FEATURES if f in present]
+    details = ", ".join(part for part in (" ".join(ids), " ".join(isa)) if part)
+    return f"{name} ({details})" if details else name
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            return cpu_identity(f.read(), platform.machine())
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
 
 
 def _commit(src: str) -> str:
@@ -112,7 +167,8 @@ def _package_versions() -> dict[str, str]:
 def run_provenance() -> dict[str, Any]:
     """What a run's numbers depend on besides its config: the package's code digest
     (:func:`code_digest`), the commit, JAX/jaxlib and Python versions, the versions of the other
-    numeric libraries (:data:`NUMERIC_PACKAGES`), the backend's devices and the CPU model.
+    numeric libraries (:data:`NUMERIC_PACKAGES`), the backend's devices and the CPU
+    (:func:`cpu_identity`: its name, generation and vector extensions).
     XLA:CPU's float rounding depends on the CPU, and a long warm-up turns any rounding
     difference into another policy, so runs of one seed are paired only on one machine."""
     import jax

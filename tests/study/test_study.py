@@ -498,6 +498,52 @@ def test_every_run_records_its_code_and_a_study_refuses_to_mix_code(tmp_path, mo
         runner.run_all(runs, train=fake_train, log=lambda m: None)
 
 
+_ZEN3 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
+model name\t: AMD EPYC
+stepping\t: 1
+flags\t\t: fpu sse2 avx f16c fma avx2 bmi2 sha_ni vaes
+
+processor\t: 1
+cpu family\t: 25
+model\t\t: 1
+model name\t: AMD EPYC
+"""
+_ZEN4 = _ZEN3.replace("model\t\t: 1", "model\t\t: 17").replace(
+    "vaes", "vaes avx512f avx512bw avx512vl avx512_bf16 avx512_vnni"
+)
+_NEOVERSE = """processor\t: 0
+BogoMIPS\t: 2000.00
+Features\t: fp asimd evtstrm aes crc32 asimddp sve sve2 bf16 i8mm
+CPU implementer\t: 0x41
+CPU variant\t: 0x0
+CPU part\t: 0xd4f
+"""
+
+
+def test_the_cpu_identity_tells_apart_generations_sold_under_one_name():
+    """Two hosts both named "AMD EPYC" that XLA:CPU compiles for differently (AVX2 against
+    AVX-512) record different CPUs, so a report's CPU line tells their runs apart."""
+    zen3 = runner.cpu_identity(_ZEN3)
+    assert zen3 == "AMD EPYC (family 25 model 1 stepping 1, avx avx2 fma f16c)"
+    zen4 = runner.cpu_identity(_ZEN4)
+    assert zen4 == (
+        "AMD EPYC (family 25 model 17 stepping 1, avx avx2 fma f16c avx512f avx512bw avx512vl "
+        "avx512_vnni avx512_bf16)"
+    )
+    # Arm's /proc/cpuinfo has no model name: the machine names it, the part tells the core.
+    assert runner.cpu_identity(_NEOVERSE, "aarch64") == (
+        "aarch64 (implementer 0x41 part 0xd4f variant 0x0, asimd asimddp sve sve2 bf16 i8mm)"
+    )
+    assert runner.cpu_identity("", "x86_64") == "x86_64"
+    assert runner.cpu_identity("") == "unknown CPU"
+    # What a run records: this host's identity, with its core count.
+    here = runner.run_provenance()["cpu"]
+    assert here.endswith(f", {os.cpu_count()} cores") and here.split(" (")[0].strip()
+
+
 def test_code_digest_reads_the_source(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
